@@ -1,0 +1,1 @@
+"""Attention: the backend interface models call, and the per-layer attention module."""

@@ -1,0 +1,112 @@
+"""The attention backend interface.
+
+Models never compute attention themselves: each attention layer (:class:`Attention`) calls the
+backend selected in the config with the layer's q, k and v. The backend stores the new k and v
+into the paged KV cache at ``forward_batch.out_cache_loc`` and attends over the request's whole
+context, which it finds through ``forward_batch.req_to_token``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from framework.engine.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Computes attention over the paged KV cache for one forward batch.
+
+    Lifecycle per forward: ``init_forward_metadata(batch)`` once, then ``forward(...)`` once per
+    layer. Backends that support CUDA graphs also implement the ``*_cuda_graph_*`` methods.
+    """
+
+    #: Whether this backend can be captured in a CUDA graph for decode.
+    supports_cuda_graph: bool = False
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Precompute per-batch metadata (index tables, masks) shared by all layers."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Dispatch to :meth:`forward_extend` or :meth:`forward_decode`.
+
+        ``q``: [num_tokens, num_heads * head_dim]; ``k``, ``v``: [num_tokens, num_kv_heads *
+        head_dim]. Returns [num_tokens, num_heads * head_dim].
+        """
+        if forward_batch.mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    @abstractmethod
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """New tokens attend to the cached prefix and causally to each other."""
+
+    @abstractmethod
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """One new token per request attends to its whole context."""
+
+    # CUDA-graph hooks: only backends with ``supports_cuda_graph = True`` implement them.
+    def init_cuda_graph_state(self, max_batch_size: int, max_context_len: int) -> None:
+        """Allocate the static buffers that captured graphs read their metadata from."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        """Metadata for a capture run of batch size ``forward_batch.batch_size``."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        """Refresh the static metadata buffers in place before a replay."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+
+class Attention(nn.Module):
+    """The attention layer models use: holds the layer's shape and forwards to the backend."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scaling: float,
+        num_kv_heads: int,
+        layer_id: int,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.num_kv_heads = num_kv_heads
+        self.layer_id = layer_id
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)

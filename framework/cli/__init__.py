@@ -1,0 +1,1 @@
+"""The `plugserve` command line."""

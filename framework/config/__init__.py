@@ -1,0 +1,1 @@
+"""Structured configuration: the schema dataclasses and the loader that merges presets."""

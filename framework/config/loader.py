@@ -1,0 +1,209 @@
+"""Build the resolved config: schema defaults < preset < ``--config FILE`` < CLI overrides.
+
+Every error is a :class:`~framework.errors.ConfigError` naming the full key path and what would be
+accepted, including unknown plugin names (with the installed ones) and the keys of a plugin's
+``options`` block (validated against the options dataclass that plugin registered).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from framework.config.schema import Device, PlugserveConfig
+from framework.errors import ConfigError, did_you_mean
+
+DEFAULT_PRESET = "serve.yaml"
+
+#: (key of the component name, key of its options, registry kind)
+COMPONENT_SLOTS: tuple[tuple[str, str, str], ...] = (
+    ("attention.backend", "attention.options", "attention_backend"),
+    ("memory_pool.name", "memory_pool.options", "memory_pool"),
+    ("scheduler.policy", "scheduler.policy_options", "schedule_policy"),
+    ("disaggregation.transfer_backend", "disaggregation.transfer_options", "transfer_backend"),
+)
+
+
+def _register_resolvers() -> None:
+    if not OmegaConf.has_resolver("asset"):
+        from framework.assets import asset_path
+
+        OmegaConf.register_resolver("asset", lambda name: str(asset_path(name)))
+
+
+def preset_dirs() -> list[Path]:
+    """Where presets are looked up: the checkout's conf/, then a wheel's share/plugserve/conf."""
+    return [
+        Path(__file__).resolve().parents[2] / "conf",
+        Path(sys.prefix) / "share" / "plugserve" / "conf",
+    ]
+
+
+def preset_path(name: str = DEFAULT_PRESET) -> Path:
+    """Path of a preset shipped in ``conf/`` (``serve.yaml``, ``pd/prefill.yaml``, ...)."""
+    for directory in preset_dirs():
+        if (directory / name).is_file():
+            return directory / name
+    raise ConfigError(f"no preset {name!r} in {', '.join(str(d) for d in preset_dirs())}")
+
+
+def _explain(exc: OmegaConfBaseException, prefix: str = "") -> ConfigError:
+    """Turn an OmegaConf error into one line naming the key path, with a suggestion if any."""
+    full_key = getattr(exc, "full_key", None) or ""
+    key = f"{prefix}{full_key}" if full_key else prefix.rstrip(".")
+    msg = getattr(exc, "msg", None) or str(exc)
+    msg = msg.split("\n")[0]
+    obj_type = getattr(exc, "object_type", None)
+    if "not in" in msg and obj_type is not None and dataclasses.is_dataclass(obj_type):
+        allowed = [f.name for f in dataclasses.fields(obj_type)]
+        bad = full_key.rsplit(".", 1)[-1]
+        msg = f"unknown key.{did_you_mean(bad, allowed)} Allowed keys: {', '.join(allowed)}"
+    return ConfigError(f"{key}: {msg}" if key else msg)
+
+
+def _load_yaml(path: str | Path, what: str) -> DictConfig:
+    try:
+        loaded = OmegaConf.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path}: no such file") from None
+    except Exception as exc:  # YAML syntax errors come in several types
+        raise ConfigError(f"{what} {path}: cannot parse: {exc}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{what} {path}: expected a mapping at the top level")
+    return loaded
+
+
+def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. scheduler.chunked_prefill_size=512")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as exc:
+        raise _explain(exc) from None
+
+
+def resolve_config(
+    config_file: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    preset: str | Path | None = DEFAULT_PRESET,
+    validate_components: bool = True,
+) -> DictConfig:
+    """Merge defaults, preset, file and overrides; validate; return the resolved DictConfig."""
+    _register_resolvers()
+    layers: list[DictConfig] = [OmegaConf.structured(PlugserveConfig)]
+    if preset is not None:
+        path = preset if isinstance(preset, Path) else preset_path(str(preset))
+        layers.append(_load_yaml(path, "preset"))
+    if config_file is not None:
+        layers.append(_load_yaml(config_file, "config file"))
+    layers.append(_parse_overrides(overrides))
+    cfg: DictConfig = layers[0]
+    for layer in layers[1:]:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)  # type: ignore[assignment]
+        except OmegaConfBaseException as exc:
+            raise _explain(exc) from None
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:
+        raise _explain(exc) from None
+    _check_values(cfg)
+    resolve_auto(cfg)
+    if validate_components:
+        validate_component_slots(cfg)
+    return cfg
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """Range checks that types alone cannot express."""
+    checks: list[tuple[str, bool, str]] = [
+        ("kv_cache.page_size", cfg.kv_cache.page_size >= 1, ">= 1"),
+        ("kv_cache.cpu_memory_budget_gb", cfg.kv_cache.cpu_memory_budget_gb > 0, "> 0"),
+        ("kv_cache.gpu_memory_fraction", 0 < cfg.kv_cache.gpu_memory_fraction <= 1, "in (0, 1]"),
+        ("scheduler.max_prefill_tokens", cfg.scheduler.max_prefill_tokens >= 1, ">= 1"),
+        ("scheduler.max_running_requests_limit", cfg.scheduler.max_running_requests_limit >= 1, ">= 1"),
+        ("scheduler.expected_tokens_per_request", cfg.scheduler.expected_tokens_per_request >= 1, ">= 1"),
+        ("scheduler.stream_interval", cfg.scheduler.stream_interval >= 1, ">= 1"),
+        ("server.port", 0 <= cfg.server.port < 65536, "in [0, 65535]"),
+        ("server.max_body_bytes", cfg.server.max_body_bytes >= 1024, ">= 1024"),
+    ]
+    optional_positive = [
+        "scheduler.max_running_requests",
+        "scheduler.chunked_prefill_size",
+        "scheduler.max_queued_requests",
+        "kv_cache.max_total_tokens",
+        "model.context_length",
+    ]
+    for key in optional_positive:
+        value = OmegaConf.select(cfg, key)
+        checks.append((key, value is None or value >= 1, ">= 1 or null"))
+    for key, ok, allowed in checks:
+        if not ok:
+            raise ConfigError(f"{key}: invalid value {OmegaConf.select(cfg, key)!r}, must be {allowed}")
+
+
+def resolve_auto(cfg: DictConfig) -> None:
+    """Replace ``auto`` device, attention backend and memory pool by what will really run."""
+    import torch
+
+    if cfg.device.device.value == "auto":
+        cfg.device.device = Device.cuda if torch.cuda.is_available() else Device.cpu
+    if cfg.attention.backend == "auto":
+        if cfg.device.device.value == "cpu":
+            cfg.attention.backend = "torch_native"
+        else:
+            from framework.plugins import get_registry
+
+            names = get_registry().names("attention_backend")
+            cfg.attention.backend = next(
+                (b for b in ("flashinfer", "triton") if b in names), "torch_native"
+            )
+    if cfg.memory_pool.name == "auto":
+        decode = cfg.disaggregation.mode is not None and cfg.disaggregation.mode.value == "decode"
+        cfg.memory_pool.name = "decode_prealloc" if decode else "standard"
+
+
+def validate_options(component: Any, options: Any, key: str) -> DictConfig:
+    """Validate an ``options`` block against the component's options dataclass."""
+    raw = options if options is not None else {}
+    if component.options_cls is None:
+        if raw:
+            names = ", ".join(raw.keys())
+            raise ConfigError(f"{key}: {component.kind} {component.name!r} takes no options (got {names})")
+        return OmegaConf.create({})
+    try:
+        return OmegaConf.merge(OmegaConf.structured(component.options_cls), raw)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, prefix=f"{key}.") from None
+
+
+def validate_component_slots(cfg: DictConfig) -> None:
+    """Check every selected plugin exists and its options match its dataclass."""
+    from framework.plugins import get_registry
+
+    registry = get_registry()
+    for name_key, options_key, kind in COMPONENT_SLOTS:
+        if name_key.startswith("disaggregation.") and cfg.disaggregation.mode is None:
+            continue  # the transfer backend is only used in PD mode
+        name = OmegaConf.select(cfg, name_key)
+        component = registry.get(kind, name, key=name_key)
+        validated = validate_options(component, OmegaConf.select(cfg, options_key), options_key)
+        OmegaConf.update(cfg, options_key, validated, merge=False)
+
+
+def to_settings(cfg: DictConfig | PlugserveConfig) -> PlugserveConfig:
+    """The resolved config as plain dataclasses (options blocks become their dataclasses)."""
+    if isinstance(cfg, PlugserveConfig):
+        return cfg
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

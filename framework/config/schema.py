@@ -1,0 +1,210 @@
+"""The configuration schema: OmegaConf structured dataclasses.
+
+Every number a heuristic uses is a named field here with its default documented beside it; code
+never hides one in a literal. ``conf/serve.yaml`` is the default preset merged over these defaults,
+then the user's ``--config FILE``, then CLI dotlist overrides (``scheduler.chunked_prefill_size=512``).
+
+Fields named ``options`` hold a plugin's own options: they are typed ``Any`` here and validated
+against the options dataclass the selected plugin registered (see ``framework.config.loader``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+
+class DType(Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Device(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DisaggregationMode(Enum):
+    prefill = "prefill"
+    decode = "decode"
+
+
+@dataclass
+class ModelConfig:
+    """Which model to serve and how to load it."""
+
+    path: str = "${asset:tiny-shakespeare}"
+    """A Hugging Face model directory (config.json, *.safetensors, tokenizer files)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory; defaults to ``path``."""
+    architecture: Optional[str] = None
+    """Override the ``architectures[0]`` of config.json (a registered model name)."""
+    dtype: DType = DType.auto
+    """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmul is slow on AVX2 CPUs)."""
+    context_length: Optional[int] = None
+    """Longest request (prompt + output); default: the model's max_position_embeddings."""
+    served_model_name: Optional[str] = None
+    """Name in /v1/models and the ``model`` field; default: the directory's name."""
+    options: Any = field(default_factory=dict)
+    """Options of the model plugin (validated against its options dataclass)."""
+
+
+@dataclass
+class DeviceConfig:
+    """Where the model runs."""
+
+    device: Device = Device.auto
+    """auto: cuda when available, else cpu."""
+    num_threads: Optional[int] = None
+    """torch intra-op threads on CPU; default: the cores this process may use."""
+    seed: int = 0
+    """Seed of the global RNG that unseeded sampling uses."""
+
+
+@dataclass
+class AttentionConfig:
+    """The attention backend plugin."""
+
+    backend: str = "auto"
+    """A registered attention backend; auto: flashinfer, else triton on GPU; torch_native on CPU."""
+    options: Any = field(default_factory=dict)
+
+
+@dataclass
+class MemoryPoolConfig:
+    """The request-pool plugin (``req_to_token`` table)."""
+
+    name: str = "auto"
+    """A registered memory pool; auto: decode_prealloc in decode mode, else standard."""
+    options: Any = field(default_factory=dict)
+
+
+@dataclass
+class KVCacheConfig:
+    """Paged KV cache sizing."""
+
+    page_size: int = 1
+    """Tokens per KV page (radix keys and transfers are page-aligned)."""
+    dtype: DType = DType.auto
+    """auto: the model's dtype."""
+    cpu_memory_budget_gb: float = 2.0
+    """KV cache size on CPU, in GiB (there is no free-memory query that means anything there)."""
+    gpu_memory_fraction: float = 0.85
+    """On GPU: fraction of the device memory still free after loading weights given to KV."""
+    max_total_tokens: Optional[int] = None
+    """Override the KV capacity in tokens (takes precedence over the budget)."""
+
+
+@dataclass
+class RadixCacheConfig:
+    """Prefix sharing across requests."""
+
+    enabled: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching."""
+
+    policy: str = "fcfs"
+    """Waiting-queue order: a registered schedule policy (fcfs, lpm, ...)."""
+    policy_options: Any = field(default_factory=dict)
+    max_running_requests: Optional[int] = None
+    """Cap on requests decoding together; default derived from KV capacity (see below)."""
+    max_running_requests_limit: int = 256
+    """Upper bound of the derived running cap."""
+    expected_tokens_per_request: int = 64
+    """The derived running cap is KV capacity / this (clamped to the limit above)."""
+    max_prefill_tokens: int = 16384
+    """Token budget of one prefill batch."""
+    chunked_prefill_size: Optional[int] = 2048
+    """Longest prefill chunk of one request; null disables chunking."""
+    max_queued_requests: Optional[int] = None
+    """Waiting-queue limit; beyond it requests are refused (HTTP 503). null: unlimited."""
+    init_new_token_ratio: float = 0.7
+    """Fraction of a request's remaining max_new_tokens assumed when admitting new prefills."""
+    min_new_token_ratio: float = 0.1
+    """The ratio decays towards this while decoding runs without retraction."""
+    new_token_ratio_decay_steps: int = 600
+    """Decode steps over which the ratio decays from init to min."""
+    clip_max_new_tokens_estimation: int = 4096
+    """Per-request cap on the max_new_tokens used in the admission estimate."""
+    retract_decode_steps: int = 20
+    """After a retraction, KV kept free for this many decode steps of the running batch."""
+    overlap: bool = False
+    """Schedule step N+1 while step N's forward runs (outputs are identical)."""
+    stream_interval: int = 1
+    """Send streamed tokens every this many decode steps."""
+
+
+@dataclass
+class CudaGraphConfig:
+    """CUDA graphs for decode (GPU only; ignored on CPU)."""
+
+    enabled: bool = True
+    max_batch_size: int = 160
+    """Largest captured batch; bigger batches run eagerly."""
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    """Bearer token required on inference routes when set."""
+    admin_key: Optional[str] = None
+    """Bearer token required on admin routes (flush_cache, abort_request) when set."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Largest accepted request body (413 beyond)."""
+    max_n: int = 16
+    """Largest ``n`` (choices per request)."""
+    max_top_logprobs: int = 20
+    """Largest ``top_logprobs`` / ``top_logprobs_num``."""
+    log_level: str = "info"
+    log_requests: bool = False
+    scheduler_start_timeout_s: float = 600.0
+    """How long to wait for the scheduler process to load the model."""
+    health_check_timeout_s: float = 20.0
+    """/health_generate gives up after this long."""
+
+
+@dataclass
+class DisaggregationConfig:
+    """Prefill/decode disaggregation."""
+
+    mode: Optional[DisaggregationMode] = None
+    """null (unified), prefill or decode."""
+    transfer_backend: str = "mooncake"
+    """A registered KV transfer backend: mooncake, nixl, nccl."""
+    transfer_options: Any = field(default_factory=dict)
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 8998
+    """Port of the prefill server's bootstrap service."""
+    bootstrap_timeout_s: float = 30.0
+    """A request fails if the peer has not registered within this time."""
+    transfer_timeout_s: float = 60.0
+    """A request fails if its KV transfer has not completed within this time."""
+    decode_reserved_tokens_per_request: int = 64
+    """Decode side: KV kept back per running request so pre-allocation cannot starve decodes."""
+
+
+@dataclass
+class PlugserveConfig:
+    """The whole configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    memory_pool: MemoryPoolConfig = field(default_factory=MemoryPoolConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    radix_cache: RadixCacheConfig = field(default_factory=RadixCacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)

@@ -1,0 +1,1 @@
+"""The in-process inference engine: model runner, forward batches, the Engine facade."""

@@ -1,0 +1,169 @@
+"""ModelRunner: loads the model plugin, sizes and builds KV memory, runs forwards.
+
+KV memory has two levels, as in SGLang: the request pool (a plugin: ``req_to_token`` rows) and a
+page allocator over per-layer K/V buffers. Capacity comes from a configured budget on CPU, or from
+the device memory really free after loading the weights on GPU, never from a constant.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from framework.config.loader import validate_options
+from framework.config.schema import PlugserveConfig
+from framework.engine.forward_batch import ForwardBatch
+from framework.errors import ConfigError
+from framework.memory.kv_allocator import PagedKVAllocator
+from framework.memory.kv_cache import KVCache
+from framework.models.loader import build_model, config_dtype, load_hf_config, resolve_dtype
+from framework.plugins import get_registry
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+@dataclass
+class MemoryPlan:
+    """KV sizing derived at start (all in tokens, page-aligned)."""
+
+    num_pages: int
+    page_size: int
+    max_running_requests: int
+    context_len: int
+    """Longest request (prompt + output) the server admits."""
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+
+class ModelRunner:
+    """Owns the model, the KV cache, the request pool and the attention backend."""
+
+    def __init__(self, settings: PlugserveConfig, progress: bool = True) -> None:
+        self.settings = settings
+        self.device = torch.device(settings.device.device.value)
+        if self.device.type == "cpu" and settings.device.num_threads:
+            torch.set_num_threads(settings.device.num_threads)
+        torch.manual_seed(settings.device.seed)
+        registry = get_registry()
+
+        path = os.fspath(settings.model.path)
+        self.model_path = path
+        self.hf_config = load_hf_config(path)
+        arch = settings.model.architecture or (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+        model_comp = registry.get("model", arch, key="model.architecture")
+        model_options = model_comp.make_options(
+            validate_options(model_comp, settings.model.options, "model.options")
+        )
+        self.architecture = arch
+        self.dtype = resolve_dtype(config_dtype(self.hf_config), settings.model.dtype.value, self.device)
+        self.model = build_model(
+            self.hf_config, model_comp.factory, model_options, self.dtype, self.device, path, progress
+        )
+        self.vocab_size = int(self.hf_config.vocab_size)
+
+        self.plan = self._plan_memory()
+        kv_dtype = self.dtype if settings.kv_cache.dtype.value == "auto" else getattr(
+            torch, settings.kv_cache.dtype.value
+        )
+        text_cfg = self.hf_config
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        self.kv_cache = KVCache(
+            num_layers=text_cfg.num_hidden_layers,
+            num_pages=self.plan.num_pages,
+            page_size=self.plan.page_size,
+            num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads,
+            head_dim=head_dim,
+            dtype=kv_dtype,
+            device=self.device,
+        )
+        self.allocator = PagedKVAllocator(self.plan.num_pages, self.plan.page_size, self.device)
+
+        pool_comp = registry.get("memory_pool", settings.memory_pool.name, key="memory_pool.name")
+        self.req_pool = pool_comp.factory(
+            self.plan.max_running_requests,
+            self.plan.context_len + self.plan.page_size,
+            self.device,
+            pool_comp.make_options(settings.memory_pool.options),
+        )
+        self.req_to_token = self.req_pool.req_to_token
+
+        attn_comp = registry.get("attention_backend", settings.attention.backend, key="attention.backend")
+        self.attn_backend = attn_comp.factory(self, attn_comp.make_options(settings.attention.options))
+        logger.info(
+            "KV cache: %d tokens in %d pages of %d; max running requests %d; context length %d",
+            self.plan.total_tokens, self.plan.num_pages, self.plan.page_size,
+            self.plan.max_running_requests, self.plan.context_len,
+        )
+
+    # -- sizing ----------------------------------------------------------------------------
+
+    def _plan_memory(self) -> MemoryPlan:
+        s, cfg = self.settings, self.hf_config
+        page_size = s.kv_cache.page_size
+        kv_dtype = self.dtype if s.kv_cache.dtype.value == "auto" else getattr(torch, s.kv_cache.dtype.value)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_token = KVCache.bytes_per_token_all_layers(
+            cfg.num_hidden_layers,
+            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim,
+            kv_dtype,
+        )
+        if s.kv_cache.max_total_tokens is not None:
+            tokens = s.kv_cache.max_total_tokens
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            tokens = int(free * s.kv_cache.gpu_memory_fraction) // per_token
+        else:
+            tokens = int(s.kv_cache.cpu_memory_budget_gb * GIB) // per_token
+        num_pages = tokens // page_size
+        if num_pages < 2:
+            raise ConfigError(
+                f"kv_cache: the KV budget holds only {tokens} tokens ({per_token} bytes each); "
+                "raise kv_cache.cpu_memory_budget_gb / gpu_memory_fraction or max_total_tokens"
+            )
+        total = num_pages * page_size
+        model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or total)
+        context_len = s.model.context_length or model_ctx
+        # One request alone must fit in the cache (with a page of slack for the partial page).
+        context_len = min(context_len, total - page_size)
+        if s.scheduler.max_running_requests is not None:
+            max_running = s.scheduler.max_running_requests
+        else:
+            max_running = max(1, min(s.scheduler.max_running_requests_limit,
+                                     total // s.scheduler.expected_tokens_per_request))
+        return MemoryPlan(num_pages, page_size, max_running, context_len)
+
+    # -- forward ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model; return float32 logits of the rows in ``batch.logits_indices``."""
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if batch.logits_indices is not None:
+            hidden = hidden.index_select(0, batch.logits_indices)
+        return self.model.compute_logits(hidden).float()
+
+    def describe(self) -> dict[str, Any]:
+        """What /model_info and /server_info report about the loaded model and memory."""
+        return {
+            "model_path": self.model_path,
+            "architecture": self.architecture,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "vocab_size": self.vocab_size,
+            "context_length": self.plan.context_len,
+            "max_total_num_tokens": self.plan.total_tokens,
+            "page_size": self.plan.page_size,
+            "max_running_requests": self.plan.max_running_requests,
+            "attention_backend": self.settings.attention.backend,
+            "memory_pool": self.settings.memory_pool.name,
+        }

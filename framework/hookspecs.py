@@ -1,0 +1,121 @@
+"""The plugserve hook specifications: the whole contract between the core and its plugins.
+
+A plugin is any module or object with functions decorated by :data:`hookimpl` whose names match
+the specs below. Plugins are found through the ``plugserve`` entry-point group (built-ins too), or
+registered directly with ``get_plugins().pm.register(obj)`` in tests.
+
+Registration hooks receive a ``register`` callable::
+
+    register(name, factory, config=OptionsDataclass)
+
+``name`` is what a user writes in the config (``attention.backend: my_backend``); ``factory`` builds
+the component; ``config`` is the plugin's own options dataclass (or ``None``): the user's
+``options:`` block for that component is validated against it, so typos and wrong types fail at
+start naming the key. Every hookspec here must have a docstring and a section in docs/plugins.md
+(a test checks both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+PROJECT_NAME = "plugserve"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+Register = Callable[..., None]
+
+
+# --- registration hooks: one per component kind ------------------------------------------------
+
+
+@hookspec
+def register_attention_backends(register: Register) -> None:
+    """Register attention backends.
+
+    Factory signature: ``factory(runner: ModelRunnerContext, options) -> AttentionBackend``, where
+    ``runner`` exposes the device, dtype, the KV cache and the request pool, and ``options`` is an
+    instance of the registered options dataclass (or ``None``). See
+    :class:`framework.attention.base.AttentionBackend` for the interface.
+    """
+
+
+@hookspec
+def register_memory_pools(register: Register) -> None:
+    """Register request pools (``req_to_token[slot, position] -> KV index`` tables).
+
+    Factory signature: ``factory(size: int, max_context_len: int, device: str, options)
+    -> RequestPool``. ``size`` is the running-request cap. See
+    :class:`framework.memory.request_pool.RequestPool`.
+    """
+
+
+@hookspec
+def register_transfer_backends(register: Register) -> None:
+    """Register KV transfer backends for prefill/decode disaggregation.
+
+    Factory signature: ``factory(role: str, kv_layout, options) -> TransferBackend`` where ``role``
+    is ``"prefill"`` or ``"decode"`` and ``kv_layout`` describes the per-layer K/V buffers (base
+    pointers, bytes per page).
+    """
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model definitions, keyed by the Hugging Face ``architectures`` name.
+
+    Factory signature: ``factory(hf_config, options) -> torch.nn.Module`` where the module has
+    ``forward(input_ids, positions, forward_batch) -> hidden_states``,
+    ``compute_logits(hidden_states) -> logits`` and ``load_weights(iterable of (name, tensor))``.
+    """
+
+
+@hookspec
+def register_schedule_policies(register: Register) -> None:
+    """Register waiting-queue scheduling policies (``fcfs``, ``lpm``, ...).
+
+    Factory signature: ``factory(options) -> SchedulePolicy``; a policy orders the waiting queue
+    before each prefill round. See :class:`framework.scheduler.policy.SchedulePolicy`.
+    """
+
+
+# --- core hooks: observation points with a built-in user ---------------------------------------
+
+
+@hookspec
+def on_batch_scheduled(batch: Any) -> None:
+    """Called in the scheduler process each time a batch is about to run.
+
+    ``batch`` is a :class:`framework.scheduler.stats.BatchStats` (mode, number of requests, new
+    tokens, cached tokens, KV usage, queue length). Must be cheap: it runs on the hot path. The
+    built-in ``batch_logging`` plugin logs prefill batches from here.
+    """
+
+
+@hookspec
+def on_batch_finished(batch: Any, elapsed_s: float) -> None:
+    """Called in the scheduler process after a batch's forward and sampling, with its wall time.
+
+    The built-in ``batch_logging`` plugin reports decode throughput from here.
+    """
+
+
+@hookspec
+def on_request_finished(request: Any) -> None:
+    """Called in the scheduler process when a request finishes, is aborted or fails.
+
+    ``request`` is a :class:`framework.scheduler.stats.RequestStats` (rid, prompt and output token
+    counts, cached tokens, finish reason, timings).
+    """
+
+
+@hookspec
+def extend_http_routes(config: Any) -> list:
+    """Return extra Starlette routes (``starlette.routing.Route`` objects) to mount on the HTTP
+    server. Called once in the HTTP process with the resolved config. The built-in server's
+    ``/metrics`` route is added this way.
+    """

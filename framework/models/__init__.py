@@ -1,0 +1,1 @@
+"""Model loading (Hugging Face directories) and layers shared by model plugins."""

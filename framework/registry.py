@@ -1,0 +1,91 @@
+"""The component registry: every named thing a config can select, and who registered it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from framework.errors import ConfigError, PluginError, did_you_mean
+
+#: Component kind -> the registration hook that fills it.
+KIND_HOOKS: dict[str, str] = {
+    "attention_backend": "register_attention_backends",
+    "memory_pool": "register_memory_pools",
+    "transfer_backend": "register_transfer_backends",
+    "model": "register_models",
+    "schedule_policy": "register_schedule_policies",
+}
+
+
+@dataclass(frozen=True)
+class Component:
+    """One registered component: its factory, its options schema and where it came from."""
+
+    kind: str
+    name: str
+    factory: Callable[..., Any]
+    options_cls: type | None
+    plugin: str
+    distribution: str | None
+    version: str | None
+
+    @property
+    def module(self) -> str:
+        return getattr(self.factory, "__module__", "?")
+
+    def make_options(self, values: Any = None) -> Any:
+        """Build the options dataclass from an already-validated mapping (or defaults)."""
+        if self.options_cls is None:
+            return None
+        if values is None:
+            return self.options_cls()
+        if isinstance(values, self.options_cls):
+            return values
+        return self.options_cls(**dict(values))
+
+
+class Registry:
+    """Components by kind and name. Names are unique per kind across all plugins."""
+
+    def __init__(self) -> None:
+        self._components: dict[str, dict[str, Component]] = {kind: {} for kind in KIND_HOOKS}
+
+    def add(self, component: Component) -> None:
+        if component.kind not in self._components:
+            raise PluginError(f"unknown component kind {component.kind!r}")
+        if component.options_cls is not None and not dataclasses.is_dataclass(component.options_cls):
+            raise PluginError(
+                f"plugin {component.plugin!r} registered {component.kind} {component.name!r} with "
+                f"config={component.options_cls!r}, which is not a dataclass"
+            )
+        existing = self._components[component.kind].get(component.name)
+        if existing is not None:
+            raise PluginError(
+                f"{component.kind} {component.name!r} is registered twice: by plugin "
+                f"{existing.plugin!r} (distribution {existing.distribution or 'unknown'}) and by "
+                f"plugin {component.plugin!r} (distribution {component.distribution or 'unknown'})"
+            )
+        self._components[component.kind][component.name] = component
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._components[kind])
+
+    def all(self) -> list[Component]:
+        return [c for kind in self._components.values() for c in kind.values()]
+
+    def has(self, kind: str, name: str) -> bool:
+        return name in self._components[kind]
+
+    def get(self, kind: str, name: str, key: str | None = None) -> Component:
+        """Look a component up; an unknown name raises a ConfigError listing the installed ones."""
+        try:
+            return self._components[kind][name]
+        except KeyError:
+            installed = self.names(kind)
+            where = f"{key}: " if key else ""
+            raise ConfigError(
+                f"{where}unknown {kind.replace('_', ' ')} {name!r}.{did_you_mean(name, installed)} "
+                f"Installed: {', '.join(installed) or '(none)'}"
+            ) from None

@@ -1,0 +1,157 @@
+"""Per-request sampling parameters (the OpenAI / vLLM / SGLang set).
+
+A :class:`SamplingParams` is created in the HTTP process, validated there, and crosses to the
+scheduler process as msgpack, so :meth:`SamplingParams.to_dict` only produces plain JSON types
+and :meth:`SamplingParams.from_dict` refuses keys it does not know (a typo in a client field must
+fail loudly instead of being silently ignored).
+
+Logprob options are deliberately not here: they are request-level (they change what is returned,
+not which token is chosen).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+GREEDY_TEMPERATURE_EPS = 1e-5
+"""Temperatures below this are treated as greedy. Dividing logits by a near-zero temperature
+overflows float32 to inf and softmax then yields NaN; vLLM uses the same cut-off."""
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but ``"n": true`` from a client is a mistake, not 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and not (
+        isinstance(value, float) and math.isnan(value)
+    )
+
+
+@dataclass
+class SamplingParams:
+    """How one request chooses its next tokens and when it stops.
+
+    ``temperature == 0`` (or below :data:`GREEDY_TEMPERATURE_EPS`) and ``top_k == 1`` both mean
+    greedy decoding. ``top_k`` of ``-1`` or ``0`` disables top-k (``0`` is normalised to ``-1``).
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    """EOS and ``stop_token_ids`` are masked out until this many tokens were generated."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    """HF/CTRL semantics over prompt and output tokens: positive logits divided, negative multiplied."""
+    frequency_penalty: float = 0.0
+    """OpenAI semantics: subtract ``penalty * count`` for each token already in the output."""
+    presence_penalty: float = 0.0
+    """OpenAI semantics: subtract ``penalty`` once for each token already in the output."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; the returned text ends right before the first one (it is not included)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    """With a seed, the request's tokens do not depend on what else shares its batch."""
+
+    def __post_init__(self) -> None:
+        # Clients commonly send a single stop string, and top_k=0 as "off" (vLLM accepts both).
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if _is_int(self.top_k) and self.top_k == 0:
+            self.top_k = -1
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (no randomness is consumed)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the field, the bad value and the allowed range.
+
+        ``vocab_size`` enables the range check of ``stop_token_ids``.
+        """
+        self._check_types()
+        _require(self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens, ">= 0")
+        _require(self.min_new_tokens >= 0, "min_new_tokens", self.min_new_tokens, ">= 0")
+        _require(
+            self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            self.min_new_tokens,
+            f"<= max_new_tokens ({self.max_new_tokens})",
+        )
+        _require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        _require(math.isfinite(self.temperature), "temperature", self.temperature, "finite")
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _require(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 or 0 (off) or >= 1")
+        _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        rep = self.repetition_penalty
+        _require(rep > 0, "repetition_penalty", rep, "> 0")
+        _require(math.isfinite(rep), "repetition_penalty", rep, "finite")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _require(-2 <= value <= 2, name, value, "in [-2, 2]")
+        _require(self.n >= 1, "n", self.n, ">= 1")
+        for s in self.stop:
+            _require(len(s) > 0, "stop", self.stop, "non-empty strings")
+        for tid in self.stop_token_ids:
+            upper = f"{vocab_size})" if vocab_size is not None else "inf)"
+            ok = tid >= 0 and (vocab_size is None or tid < vocab_size)
+            _require(ok, "stop_token_ids", tid, f"in [0, {upper}")
+
+    def _check_types(self) -> None:
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        numbers = ("temperature", "top_p", "min_p", "repetition_penalty")
+        for name in (*numbers, "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a boolean, got {value!r}")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+
+    # ----------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types only (ints, floats, bools, strings, lists, None): msgpack-safe."""
+        out = asdict(self)
+        out["stop"] = list(self.stop)
+        out["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Inverse of :meth:`to_dict`; missing keys take defaults, unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known parameters are {sorted(known)}")
+        return cls(**data)
+
+
+def _require(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

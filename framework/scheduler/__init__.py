@@ -1,0 +1,1 @@
+"""Continuous-batching scheduler: requests, policies, batch building, the scheduling loop."""

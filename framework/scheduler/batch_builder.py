@@ -1,0 +1,95 @@
+"""Turn a list of scheduled requests into a ForwardBatch, and say which logits rows mean what."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from framework.engine.forward_batch import ForwardBatch, ForwardMode
+from framework.scheduler.request import Req
+
+
+@dataclass
+class LogitsPlan:
+    """Which rows of the computed logits serve sampling and which serve prompt logprobs."""
+
+    sample_reqs: list[Req] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    """Row (in the logits tensor) of each sampling request's last token."""
+    prompt_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """rid -> (first logits row, number of rows, prompt position of the first row)."""
+
+
+def build_extend(
+    reqs: list[Req], out_cache_loc: torch.Tensor, runner: object
+) -> tuple[ForwardBatch, LogitsPlan]:
+    """A prefill (extend) batch: each request computes ``extend_len`` tokens after ``kv_len``."""
+    device = runner.device  # type: ignore[attr-defined]
+    ids: list[int] = []
+    positions: list[int] = []
+    logits_tokens: list[int] = []
+    plan = LogitsPlan()
+    offset = 0
+    for r in reqs:
+        start, end = r.kv_len, r.kv_len + r.extend_len
+        ids.extend(r.fill_ids[start:end])
+        positions.extend(range(start, end))
+        if r.wants_prompt_logprobs() and not r.prompt_logprobs_done():
+            # logits at position p give the logprob of prompt token p + 1
+            first = max(start, max(r.logprob_start_len, 1) - 1)
+            last = min(end, len(r.input_ids) - 1)
+            if last > first:
+                plan.prompt_rows[r.rid] = (len(logits_tokens), last - first, first)
+                logits_tokens.extend(range(offset + first - start, offset + last - start))
+        if end == r.seq_len:  # prefill complete: this request samples its next token
+            plan.sample_reqs.append(r)
+            plan.sample_rows.append(len(logits_tokens))
+            logits_tokens.append(offset + r.extend_len - 1)
+        offset += r.extend_len
+    extend_lens = [r.extend_len for r in reqs]
+    prefix_lens = [r.kv_len for r in reqs]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    starts = [0] * len(reqs)
+    for i in range(1, len(reqs)):
+        starts[i] = starts[i - 1] + extend_lens[i - 1]
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        batch_size=len(reqs),
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        seq_lens_cpu=seq_lens,
+        out_cache_loc=out_cache_loc,
+        req_to_token=runner.req_to_token,  # type: ignore[attr-defined]
+        kv_cache=runner.kv_cache,  # type: ignore[attr-defined]
+        attn_backend=runner.attn_backend,  # type: ignore[attr-defined]
+        extend_prefix_lens_cpu=prefix_lens,
+        extend_seq_lens_cpu=extend_lens,
+        extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
+        extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64, device=device),
+        extend_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
+        logits_indices=torch.tensor(logits_tokens, dtype=torch.int64, device=device),
+    )
+    return batch, plan
+
+
+def build_decode(reqs: list[Req], out_cache_loc: torch.Tensor, runner: object) -> ForwardBatch:
+    """A decode batch: each request feeds its last sampled token at position ``kv_len``."""
+    device = runner.device  # type: ignore[attr-defined]
+    seq_lens = [r.kv_len + 1 for r in reqs]
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        batch_size=len(reqs),
+        input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device),
+        positions=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device),
+        req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        seq_lens_cpu=seq_lens,
+        out_cache_loc=out_cache_loc,
+        req_to_token=runner.req_to_token,  # type: ignore[attr-defined]
+        kv_cache=runner.kv_cache,  # type: ignore[attr-defined]
+        attn_backend=runner.attn_backend,  # type: ignore[attr-defined]
+        logits_indices=None,
+    )

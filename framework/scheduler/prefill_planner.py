@@ -1,0 +1,100 @@
+"""Choosing the next prefill batch: policy order, KV budget, token budget, chunking.
+
+The KV budget counts what running requests may still need: each reserves its remaining
+``max_new_tokens`` (clipped) times the current new-token ratio, which starts at
+``scheduler.init_new_token_ratio`` and decays while decoding runs without retraction (SGLang's
+scheme). A request is admitted only if its prompt plus its own reservation fits in what is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from framework.config.schema import SchedulerConfig
+from framework.scheduler.kv_manager import KVManager
+from framework.scheduler.policy import SchedulePolicy
+from framework.scheduler.request import Req
+
+
+@dataclass
+class PrefillPlan:
+    """Requests to prefill now (each with ``extend_len`` set) and the chunked one, if any."""
+
+    reqs: list[Req] = field(default_factory=list)
+    chunked: Req | None = None
+    """The request whose prefill continues in a later batch."""
+
+
+def reserved_decode_tokens(reqs: list[Req], ratio: float, clip: int) -> int:
+    """KV the running requests are expected to still need."""
+    total = 0.0
+    for r in reqs:
+        remaining = r.sampling_params.max_new_tokens - len(r.output_ids)
+        total += min(max(remaining, 0), clip) * ratio
+    return int(total)
+
+
+class PrefillPlanner:
+    """Builds one prefill batch per call from the waiting queue and the chunked request."""
+
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager, policy: SchedulePolicy, max_running: int):
+        self.cfg = cfg
+        self.kv = kv
+        self.policy = policy
+        self.max_running = max_running
+
+    def plan(
+        self, waiting: list[Req], running: list[Req], chunked: Req | None, ratio: float
+    ) -> PrefillPlan:
+        cfg = self.cfg
+        clip = cfg.clip_max_new_tokens_estimation
+        chunk_cap = cfg.chunked_prefill_size or (1 << 62)
+        rem_input = cfg.max_prefill_tokens
+        running_reserve = reserved_decode_tokens(running, ratio, clip)
+        admitted_cost = 0
+        plan = PrefillPlan()
+
+        if chunked is not None:
+            # The request mid-prefill continues first: its row and prefix are already held.
+            remaining = chunked.seq_len - chunked.kv_len
+            chunked.extend_len = min(remaining, chunk_cap, max(rem_input, 1))
+            if chunked.extend_len > self.kv.available_tokens() - self.kv.page_size:
+                return plan  # no KV for the next chunk until decodes free some
+            plan.reqs.append(chunked)
+            rem_input -= chunked.extend_len
+            admitted_cost += chunked.extend_len
+            if chunked.extend_len < remaining:
+                plan.chunked = chunked
+                return plan
+
+        slots_left = self.max_running - len(running) - len(plan.reqs)
+        if slots_left <= 0 or not waiting or rem_input <= 0:
+            return plan
+        ordered = self.policy.order(waiting, lambda r: self.kv.match(r).prefix_len)
+        for req in ordered:
+            if slots_left <= 0 or rem_input <= 0:
+                break
+            match = self.kv.match(req)
+            # Recomputed each time: locking an admitted request's prefix makes it unevictable.
+            rem_total = self.kv.available_tokens() - running_reserve - admitted_cost
+            need = req.seq_len - match.prefix_len
+            reserve = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), clip) * ratio
+            # Admit when the prompt and its reservation fit; a lone request may start as long as
+            # its first chunk fits (it is admitted only because its whole length fits the cache).
+            fits_whole = need + reserve <= rem_total
+            extend = min(need, chunk_cap, rem_input)
+            if not fits_whole and (plan.reqs or running or extend + self.kv.page_size > rem_total):
+                break
+            if extend < need and plan.reqs and extend < min(need, chunk_cap):
+                break  # out of input budget: start it in a batch of its own
+            if not self.kv.admit(req, match):
+                break
+            req.extend_len = extend
+            plan.reqs.append(req)
+            rem_input -= extend
+            admitted_cost += extend + int(reserve)
+            slots_left -= 1
+            if extend < need:
+                plan.chunked = req
+                break
+        return plan

@@ -1,0 +1,338 @@
+"""The continuous-batching scheduler: one ``step()`` runs one prefill or one decode batch.
+
+Each step: drop aborted requests, plan a prefill batch (policy order, KV and token budgets,
+chunked prefill); if there is none, decode the running requests, retracting the newest ones when
+KV runs out (they re-queue and later re-prefill, reusing their cached KV). After the forward, the
+sampler picks the next tokens, finished requests hand their KV to the prefix cache, and per-request
+output deltas are returned. The scheduler is single-threaded: the engine or the scheduler process
+calls ``add_request``/``abort``/``step`` from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from framework.config.schema import PlugserveConfig
+from framework.engine.model_runner import ModelRunner
+from framework.plugins import get_plugins
+from framework.sampling.sampler import Sampler, SamplingBatchInfo
+from framework.scheduler.batch_builder import LogitsPlan, build_decode, build_extend
+from framework.scheduler.finish import check_finished
+from framework.scheduler.kv_manager import KVManager
+from framework.scheduler.outputs import RequestOutput
+from framework.scheduler.prefill_planner import PrefillPlanner
+from framework.scheduler.request import FinishReason, Req
+from framework.scheduler.stats import BatchStats, RequestStats
+
+logger = logging.getLogger(__name__)
+
+
+class AdmissionError(ValueError):
+    """A request that can never run (too long, bad parameters): the client gets a 400."""
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and the model runner."""
+
+    def __init__(self, settings: PlugserveConfig, runner: ModelRunner | None = None, tokenizer: Any = None):
+        self.settings = settings
+        self.cfg = settings.scheduler
+        self.runner = runner or ModelRunner(settings)
+        self.tokenizer = tokenizer
+        self.plugins = get_plugins()
+        self.hook = self.plugins.hook
+        plan = self.runner.plan
+        self.max_running = min(plan.max_running_requests, self.runner.req_pool.size)
+        self.context_len = plan.context_len
+        self.kv = KVManager(self.runner.req_pool, self.runner.allocator, settings.radix_cache.enabled)
+        policy_comp = self.plugins.registry.get("schedule_policy", self.cfg.policy, key="scheduler.policy")
+        self.policy = policy_comp.factory(policy_comp.make_options(self.cfg.policy_options))
+        self.planner = PrefillPlanner(self.cfg, self.kv, self.policy, self.max_running)
+        self.sampler = Sampler()
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.requests: dict[str, Req] = {}
+        self.new_token_ratio = self.cfg.init_new_token_ratio
+        self._ratio_step = (self.cfg.init_new_token_ratio - self.cfg.min_new_token_ratio) / max(
+            self.cfg.new_token_ratio_decay_steps, 1
+        )
+        self.num_retractions = 0
+        self.cache_hit_tokens = 0
+        self.prompt_tokens_seen = 0
+        self._pending: list[RequestOutput] = []
+
+    # -- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        """Queue a request; raises AdmissionError if it can never run."""
+        if req.rid in self.requests:
+            raise AdmissionError(f"request id {req.rid!r} is already in use")
+        if not req.input_ids:
+            raise AdmissionError("the prompt is empty")
+        sp = req.sampling_params
+        try:
+            sp.validate(self.runner.vocab_size)
+        except ValueError as exc:
+            raise AdmissionError(str(exc)) from None
+        if any(not 0 <= t < self.runner.vocab_size for t in req.input_ids):
+            raise AdmissionError(f"input_ids must be in [0, {self.runner.vocab_size})")
+        total = len(req.input_ids) + sp.max_new_tokens
+        if len(req.input_ids) >= self.context_len:
+            raise AdmissionError(
+                f"the prompt has {len(req.input_ids)} tokens; this server's context length is "
+                f"{self.context_len}"
+            )
+        if total > self.context_len:
+            # Like SGLang and vLLM: refuse instead of silently truncating the output.
+            raise AdmissionError(
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
+                f"{total} exceeds the context length {self.context_len}"
+            )
+        if self.cfg.max_queued_requests is not None and len(self.waiting) >= self.cfg.max_queued_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.cfg.max_queued_requests} requests)")
+        if req.wants_prompt_logprobs() and req.logprob_start_len == 0:
+            req.input_logprobs.append(None)  # the first prompt token has no logprob
+            req.input_top_logprobs.append(None)
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+        self.prompt_tokens_seen += len(req.input_ids)
+
+    def abort(self, rid: str, message: str | None = None) -> bool:
+        """Abort a request wherever it is; its KV is released now. False if unknown."""
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        if req in self.running:
+            self.running.remove(req)
+        req.finished_reason = FinishReason("abort", message=message or "aborted")
+        self._finish(req, error=message)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self._pending)
+
+    def num_running(self) -> int:
+        return len(self.running) + (1 if self.chunked else 0)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch (prefill if any can be formed, else decode); return output deltas."""
+        plan = self.planner.plan(self.waiting, self.running, self.chunked, self.new_token_ratio)
+        if plan.reqs:
+            self._run_prefill(plan.reqs, plan.chunked)
+        elif self.running:
+            self._run_decode()
+        out, self._pending = self._pending, []
+        return out
+
+    def _run_prefill(self, reqs: list[Req], chunked: Req | None) -> None:
+        for r in reqs:
+            if r in self.waiting:
+                self.waiting.remove(r)
+        slots = self.kv.alloc_extend(reqs)
+        if slots is None:  # the budget estimate was off (page rounding): retry later
+            for r in reqs:
+                if r is not self.chunked:
+                    self.kv.release(r)
+                    self.waiting.insert(0, r)
+            return
+        self.chunked = chunked
+        batch, plan = build_extend(reqs, slots, self.runner)
+        stats = self._stats("prefill", reqs, batch.num_tokens)
+        self.hook.on_batch_scheduled(batch=stats)
+        start = time.perf_counter()
+        logits = self.runner.forward(batch)
+        for r in reqs:
+            r.kv_len += r.extend_len
+            if r is not chunked:
+                r.extend_len = 0
+        self._record_prompt_logprobs(reqs, logits, plan)
+        if plan.sample_reqs:
+            self._sample(plan.sample_reqs, logits[plan.sample_rows])
+            self.running.extend(r for r in plan.sample_reqs if not r.finished)
+        self.hook.on_batch_finished(batch=stats, elapsed_s=time.perf_counter() - start)
+
+    def _run_decode(self) -> None:
+        self._make_room_for_decode()
+        reqs = self.running
+        if not reqs:
+            return
+        slots = self.kv.alloc_decode(reqs)
+        if slots is None:  # cannot happen after _make_room_for_decode; fail loudly if it does
+            raise RuntimeError("KV allocation failed after retraction")
+        batch = build_decode(reqs, slots, self.runner)
+        stats = self._stats("decode", reqs, len(reqs))
+        self.hook.on_batch_scheduled(batch=stats)
+        start = time.perf_counter()
+        logits = self.runner.forward(batch)
+        for r in reqs:
+            r.kv_len += 1
+        self._sample(list(reqs), logits)
+        self.running = [r for r in self.running if not r.finished]
+        self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_step)
+        self.hook.on_batch_finished(batch=stats, elapsed_s=time.perf_counter() - start)
+
+    def _make_room_for_decode(self) -> None:
+        """Retract the newest requests until this step fits in KV; after a retraction, also keep
+        ``retract_decode_steps`` steps of headroom so the batch does not retract again at once."""
+        retracted = False
+        while self.running:
+            need = self.kv.decode_tokens_needed(self.running)
+            with_headroom = need
+            if retracted:
+                headroom = self.cfg.retract_decode_steps * len(self.running) * self.kv.page_size
+                with_headroom = max(need, min(headroom, self.kv.total_tokens() // 2))
+            available = self.kv.available_tokens()
+            if available >= with_headroom or (len(self.running) == 1 and available >= need):
+                break
+            if len(self.running) == 1:
+                req = self.running.pop()
+                req.finished_reason = FinishReason("abort", message="KV cache too small for this request")
+                self._finish(req, error=req.finished_reason.message)
+                break
+            victim = max(self.running, key=lambda r: r.arrival_time)
+            self.running.remove(victim)
+            self.kv.release(victim)  # its computed KV stays in the prefix cache, evictable
+            victim.retractions += 1
+            self.num_retractions += 1
+            self.waiting.insert(0, victim)
+            retracted = True
+        if retracted:
+            self.new_token_ratio = self.cfg.init_new_token_ratio
+            logger.info("retracted requests: %d running, %d waiting", len(self.running), len(self.waiting))
+
+    # -- sampling and results --------------------------------------------------------------
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        info = SamplingBatchInfo.build(
+            [r.sampling_params for r in reqs],
+            [r.input_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            [r.eos_token_ids for r in reqs],
+            logits.shape[-1],
+            logits.device,
+        )
+        top_nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+        want_top = any(top_nums)
+        out = self.sampler.sample(logits, info, top_nums if want_top else None)
+        next_ids = out.next_token_ids.tolist()
+        logprobs = out.logprobs.tolist() if any(r.return_logprob for r in reqs) else None
+        now = time.monotonic()
+        for i, r in enumerate(reqs):
+            r.output_ids.append(next_ids[i])
+            if r.first_token_time is None:
+                r.first_token_time = now
+            if r.return_logprob and logprobs is not None:
+                r.output_logprobs.append(logprobs[i])
+                if want_top and out.top_logprobs is not None:
+                    r.output_top_logprobs.append(out.top_logprobs[i])
+            reason = check_finished(r, self.context_len, self.tokenizer)
+            if reason is not None:
+                r.finished_reason = reason
+                self._finish(r)
+            elif len(r.output_ids) - r.sent_len >= self.cfg.stream_interval:
+                self._pending.append(self._delta(r))
+
+    def _record_prompt_logprobs(self, reqs: list[Req], logits: torch.Tensor, plan: LogitsPlan) -> None:
+        if not plan.prompt_rows:
+            return
+        by_rid = {r.rid: r for r in reqs}
+        for rid, (row, n, first_pos) in plan.prompt_rows.items():
+            r = by_rid[rid]
+            logp = torch.log_softmax(logits[row : row + n], dim=-1)
+            targets = torch.tensor(r.input_ids[first_pos + 1 : first_pos + 1 + n], device=logp.device)
+            r.input_logprobs.extend(logp.gather(1, targets[:, None]).squeeze(1).tolist())
+            if r.top_logprobs_num:
+                vals, ids = logp.topk(r.top_logprobs_num, dim=-1)
+                r.input_top_logprobs.extend(
+                    [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+                )
+
+    def _delta(self, r: Req) -> RequestOutput:
+        start = r.sent_len
+        out = RequestOutput(
+            rid=r.rid,
+            new_token_ids=r.output_ids[start:],
+            prompt_tokens=len(r.input_ids),
+            completion_tokens=len(r.output_ids),
+            cached_tokens=r.cached_tokens,
+            finished=r.finished,
+            finish_reason=r.finished_reason.to_dict() if r.finished_reason else None,
+        )
+        if r.return_logprob:
+            out.new_logprobs = r.output_logprobs[start:]
+            if r.top_logprobs_num:
+                out.new_top_logprobs = r.output_top_logprobs[start:]
+            if r.sent_input_logprobs == 0 and r.input_logprobs:
+                out.input_logprobs = list(r.input_logprobs)
+                out.input_top_logprobs = list(r.input_top_logprobs) if r.top_logprobs_num else None
+                r.sent_input_logprobs = len(r.input_logprobs)
+        r.sent_len = len(r.output_ids)
+        return out
+
+    def _finish(self, req: Req, error: str | None = None) -> None:
+        self.kv.release(req)
+        self.requests.pop(req.rid, None)
+        delta = self._delta(req)
+        delta.error = error
+        self._pending.append(delta)
+        self.cache_hit_tokens += req.cached_tokens
+        self.hook.on_request_finished(
+            request=RequestStats(
+                rid=req.rid,
+                prompt_tokens=len(req.input_ids),
+                completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_tokens,
+                finish_reason=req.finished_reason.type if req.finished_reason else None,
+                arrival_time=req.arrival_time,
+                first_token_time=req.first_token_time,
+                finish_time=time.monotonic(),
+            )
+        )
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def _stats(self, mode: str, reqs: list[Req], new_tokens: int) -> BatchStats:
+        return BatchStats(
+            mode=mode,
+            num_requests=len(reqs),
+            num_new_tokens=new_tokens,
+            num_cached_tokens=sum(r.prefix_len for r in reqs) if mode == "prefill" else 0,
+            kv_used_tokens=self.kv.used_tokens(),
+            kv_total_tokens=self.kv.total_tokens(),
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+        )
+
+    def leak_report(self) -> dict[str, int]:
+        holders = self.running + ([self.chunked] if self.chunked else [])
+        return self.kv.leak_report(self.kv.held_by(holders))
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; only allowed when nothing runs or waits."""
+        if self.has_work():
+            return False
+        return self.kv.flush()
+
+    def load(self) -> dict[str, Any]:
+        return {
+            "num_running": self.num_running(),
+            "num_waiting": len(self.waiting),
+            "kv_used_tokens": self.kv.used_tokens(),
+            "kv_total_tokens": self.kv.total_tokens(),
+            "num_retractions": self.num_retractions,
+        }
+
+
+class QueueFullError(AdmissionError):
+    """The waiting queue is at ``scheduler.max_queued_requests`` (HTTP 503 with Retry-After)."""

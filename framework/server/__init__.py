@@ -1,0 +1,1 @@
+"""The HTTP server: Starlette app, tokenizer manager, scheduler process, IPC."""

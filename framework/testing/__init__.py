@@ -1,0 +1,1 @@
+"""Testing helpers for plugserve and for plugin authors (tiny models, conformance checks)."""

@@ -1,0 +1,233 @@
+"""Llama-family decoder (Llama 2/3, Mistral), the base that the Qwen models parametrise.
+
+Projections are merged for speed on CPU (one GEMM instead of three, one instead of two):
+``qkv_proj`` holds ``[q; k; v]`` and ``gate_up_proj`` holds ``[gate; up]``; :meth:`load_weights`
+fills them from the Hugging Face names. Attention goes only through
+:class:`framework.attention.base.Attention`, i.e. through the configured backend.
+
+Not implemented: sliding-window attention (Mistral v0.1 declares a 4096-token window; contexts
+longer than the window are computed with full attention) and rope types other than default, linear
+and llama3 (building such a model fails with a clear error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from framework.attention.base import Attention
+from framework.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, get_rope
+
+if TYPE_CHECKING:
+    from framework.engine.forward_batch import ForwardBatch
+
+
+def config_head_dim(config: Any) -> int:
+    """``config.head_dim`` when set (Qwen3, Mistral-Nemo), else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with grouped-query heads, a merged qkv projection and rotary embeddings.
+
+    Subclasses change :meth:`projection_biases` (Qwen2) or override :meth:`qk_transform` (Qwen3's
+    per-head norms) instead of copying the module.
+    """
+
+    def __init__(self, config: Any, layer_id: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} kv heads")
+        self.head_dim = config_head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias, o_bias = self.projection_biases(config)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id=layer_id
+        )
+
+    @classmethod
+    def projection_biases(cls, config: Any) -> tuple[bool, bool]:
+        """``(qkv_bias, o_proj_bias)``: Llama's ``attention_bias`` covers both."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook applied to q and k before RoPE; identity for Llama."""
+        return q, k
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.qk_transform(q, k)
+        cos, sin = cos_sin
+        q = apply_rotary(q, cos, sin, self.head_dim)
+        k = apply_rotary(k, cos, sin, self.head_dim)
+        out = self.attn(q.contiguous(), k.contiguous(), v.contiguous(), forward_batch)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a merged gate/up projection."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
+
+    def __init__(self, config: Any, layer_id: int, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_id)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        # Plain (unfused) residual adds in the activation dtype, in HF's order, so that bf16 rounding
+        # matches transformers step for step.
+        residual = hidden_states
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), cos_sin, forward_batch)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the HF ``model.`` prefix)."""
+
+    def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attention_cls) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # One table for all layers: cos/sin are gathered once per forward, not once per layer.
+        self.rotary_emb: RotaryEmbedding = get_rope(config, config_head_dim(config))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.get_cos_sin(positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos_sin, forward_batch)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM head over :class:`LlamaModel`; the plugin interface the model runner calls."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    # HF checkpoint name fragment -> (our merged parameter fragment, shard index).
+    stacked_params: tuple[tuple[str, str, int], ...] = (
+        ("q_proj", "qkv_proj", 0),
+        ("k_proj", "qkv_proj", 1),
+        ("v_proj", "qkv_proj", 2),
+        ("gate_proj", "gate_up_proj", 0),
+        ("up_proj", "gate_up_proj", 1),
+    )
+
+    def __init__(self, hf_config: Any, options: Any = None) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.options = options
+        self.model = LlamaModel(hf_config, self.attention_cls)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` after the final norm."""
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[n, vocab]`` for the given rows of hidden states."""
+        return self.lm_head(hidden_states).float()
+
+    def _shard_slices(self, merged: str) -> list[tuple[int, int]]:
+        """Row ranges of each shard inside a merged parameter (q, k, v or gate, up)."""
+        if merged == "qkv_proj":
+            attn = self.model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        bounds, start = [], 0
+        for size in sizes:
+            bounds.append((start, start + size))
+            start += size
+        return bounds
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into this module (casting to the parameter's dtype and device).
+
+        Returns the names of the parameters written to (a merged parameter is listed once any of its
+        shards was written; :func:`framework.models.loader.build_model` checks completeness). Unknown
+        names raise, because a silent skip would hide a checkpoint that does not match the model.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # some old checkpoints saved HF's computed buffer; we compute our own
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # the tied lm_head is the embedding itself
+            target, rows = name, None
+            for hf_part, ours, shard in self.stacked_params:
+                if f".{hf_part}." in name:
+                    target = name.replace(f".{hf_part}.", f".{ours}.")
+                    rows = self._shard_slices(ours)[shard]
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}"
+                )
+            dst = param if rows is None else param[rows[0] : rows[1]]
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add(target)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is the Llama network (its sliding window is not applied: see the module notes)."""
+
+    attention_cls = LlamaAttention

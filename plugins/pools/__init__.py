@@ -1,0 +1,1 @@
+"""Built-in request pools: ``standard`` and the decode-side ``decode_prealloc``."""

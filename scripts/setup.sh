@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up plugserve on a fresh machine: system packages, a virtual environment in .venv, the CPU
+# build of torch (installed explicitly first: a plain `torch` requirement could pull a multi-GB
+# CUDA build), plugserve with its test and bench extras, and the example third-party plugin that
+# the tests load through its entry point. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_SPEC="${PLUGSERVE_TORCH_SPEC:-torch==2.13.0}"
+PY="${PYTHON:-python3}"
+
+# Mooncake's transfer engine links against libibverbs even when it only uses TCP.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "$TORCH_SPEC"
+.venv/bin/python -m pip install -q -e ".[test,bench]"
+.venv/bin/python -m pip install -q --no-deps -e tests/plugins/plugserve-example-plugin
+echo "plugserve is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

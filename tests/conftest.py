@@ -1,0 +1,59 @@
+"""Shared pytest setup: markers, the plugin fixtures, and the example third-party plugin check."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from framework.plugins import PluginSet, get_plugins
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_PLUGIN_DIR = REPO_ROOT / "tests" / "plugins" / "plugserve-example-plugin"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="run tests marked slow (fuzz, soak)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; this machine has none"))
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(pytest.mark.skip(reason="slow test: run with --run-slow"))
+
+
+@pytest.fixture(scope="session")
+def example_plugin_installed() -> None:
+    """The example third-party plugin must be pip-installed (scripts/setup.sh does it)."""
+    if importlib.util.find_spec("plugserve_example") is None:
+        pytest.fail(
+            "the example plugin is not installed: run "
+            f"`pip install --no-deps -e {EXAMPLE_PLUGIN_DIR}` (scripts/setup.sh does this)"
+        )
+
+
+@pytest.fixture
+def plugins() -> PluginSet:
+    return get_plugins()
+
+
+@pytest.fixture
+def register_plugin(plugins: PluginSet) -> Iterator:
+    """Register plugin objects for one test; they are unregistered afterwards."""
+    names: list[str] = []
+
+    def register(obj: object, name: str, distribution: str | None = None) -> str:
+        names.append(plugins.register(obj, name=name, distribution=distribution))
+        return name
+
+    yield register
+    for name in names:
+        if plugins.pm.get_plugin(name) is not None:
+            plugins.unregister(name)

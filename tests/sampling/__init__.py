@@ -1,0 +1,1 @@
+"""Tests of sampling parameters, the batched sampler and the detokenizer."""
