@@ -20,5 +20,9 @@ class PluginError(PlugserveError):
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """Return ' Did you mean "x"?' for the closest choice, or '' when none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    choices = list(choices)
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if not close and len(word) >= 3:
+        # A truncated name ("max_queue" for "max_queue_for_matching") is far by edit distance.
+        close = [c for c in choices if c.startswith(word)][:1]
     return f' Did you mean "{close[0]}"?' if close else ""

@@ -7,7 +7,7 @@ model. It is small enough (a few MB) to ship inside the package under ``framewor
 Usage (from the repository root)::
 
     python scripts/train_demo_model.py                      # ~12 min on one CPU thread
-    python scripts/train_demo_model.py --steps 300 --max-seconds 0   # exact, time-independent re-run
+    python scripts/train_demo_model.py --steps 345 --max-seconds 0   # exact replay (see training_log.json)
 
 The corpus is read from outside the repository and is never copied into it.
 """
@@ -122,9 +122,7 @@ def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def sample_batch(
-    data: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator, bos_id: int
-) -> torch.Tensor:
+def sample_batch(data: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator, bos_id: int) -> torch.Tensor:
     """Random contiguous windows of ``seq_len + 1`` tokens (inputs and shifted targets)."""
     starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen)
     rows = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
@@ -141,9 +139,7 @@ def mean_loss(model: LlamaForCausalLM, rows: torch.Tensor, batch: int) -> float:
     total, count = 0.0, 0
     for chunk in rows.split(batch):
         logits = model(input_ids=chunk[:, :-1]).logits
-        total += torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
-        ).item()
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
         count += chunk[:, 1:].numel()
     model.train()
     return total / count

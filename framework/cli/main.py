@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_serve)
 
+    from framework.bench.cli import add_bench_commands
+
+    add_bench_commands(sub)
     return parser
 
 

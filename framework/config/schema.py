@@ -172,6 +172,9 @@ class ServerConfig:
     """How long to wait for the scheduler process to load the model."""
     health_check_timeout_s: float = 20.0
     """/health_generate gives up after this long."""
+    shutdown_timeout_s: float = 10.0
+    """On SIGTERM / Ctrl-C: how long open requests may finish, then how long the scheduler process
+    has to exit before it is terminated."""
 
 
 @dataclass

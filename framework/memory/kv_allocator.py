@@ -32,14 +32,12 @@ class PagedKVAllocator:
 
     Every allocation either succeeds completely or returns ``None`` with nothing taken, so the
     caller can evict from the prefix cache and retry. ``free`` is guarded always (reserved page
-    0, out-of-range and double frees raise ``ValueError``, at a cost of one small gather);
-    ``debug=True`` adds a full consistency check after every call and checks that ``last_locs``
-    agree with ``prefix_lens``.
+    0, out-of-range and double frees raise ``ValueError``; a few O(n) tensor ops per call);
+    ``debug=True`` adds a full O(num_pages) consistency check after every call and checks that
+    ``last_locs`` agree with ``prefix_lens``.
     """
 
-    def __init__(
-        self, num_pages: int, page_size: int, device: str | torch.device = "cpu", debug: bool = False
-    ) -> None:
+    def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu", debug: bool = False) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
         self.num_pages = num_pages
@@ -109,21 +107,18 @@ class PagedKVAllocator:
         if total_tokens == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
 
-        # One output element per new token, built without a per-token (or per-request) loop.
+        # One output element per new token, built without a per-token (or per-request) loop:
+        # per-request offsets first, then one gather of each by the token's request index.
         req = torch.repeat_interleave(extend, output_size=total_tokens)
-        token_starts = torch.cumsum(extend, 0) - extend
-        pos = torch.arange(total_tokens) - token_starts[req] + prefix[req]  # position in its request
-        first_new_pos = (prefix_pages * ps)[req]  # positions from here on live in new pages
-        in_old_page = pos < first_new_pos
-        old_slot = last[req] + (pos - prefix[req]) + 1
-        if new_pages.numel() == 0:
-            slots = old_slot
-        else:
+        rank = torch.arange(total_tokens) - (torch.cumsum(extend, 0) - extend)[req]  # 0.. within request
+        slots = (last + 1)[req] + rank  # continuing the partially used last page
+        if new_pages.numel():
+            room = (prefix_pages * ps - prefix)[req]  # tokens that still fit in that page
+            in_new = rank >= room
             page_starts = torch.cumsum(new_pages_per_req, 0) - new_pages_per_req
-            page_idx = page_starts[req] + (pos - first_new_pos).clamp(min=0) // ps
-            # Tokens still in the old page compute a bogus page_idx; clamp keeps the gather legal.
-            new_slot = new_pages[page_idx.clamp(max=new_pages.numel() - 1)] * ps + pos % ps
-            slots = torch.where(in_old_page, old_slot, new_slot)
+            offset = (rank - room)[in_new]  # position counted from the first new page
+            page_idx = page_starts[req[in_new]] + offset // ps
+            slots[in_new] = new_pages[page_idx] * ps + offset % ps
         self._debug_check()
         return slots.to(self.device)
 
@@ -131,25 +126,30 @@ class PagedKVAllocator:
         """One slot per request for its token at position ``seq_lens[i] - 1`` (the decode step).
 
         Same result as ``alloc_extend([s - 1 for s in seq_lens], seq_lens, last_locs)``, cheaper:
-        a request needs a new page only when that position starts one.
+        a request needs a new page only when that position starts one. With one token per
+        request, a pass over plain ints beats a dozen tiny tensor ops (each costs microseconds
+        of dispatch), so this path stays in Python lists until the single output tensor.
         """
-        seq, last = _as_host_long(seq_lens), _as_host_long(last_locs)
         if self.page_size == 1:
-            slots = self._take(seq.numel())
+            slots = self._take(len(seq_lens))
             if slots is None:
                 return None
             self._debug_check()
             return slots.to(self.device)
+        ps = self.page_size
+        seq = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens
+        last = last_locs.tolist() if isinstance(last_locs, torch.Tensor) else last_locs
         if self.debug:
-            self._check_last_locs(seq - 1, last)
-        needs_page = (seq - 1) % self.page_size == 0
-        pages = self._take(int(needs_page.sum()))
+            self._check_last_locs(_as_host_long(seq) - 1, _as_host_long(last))
+        starts_page = [i for i, n in enumerate(seq) if (n - 1) % ps == 0]
+        pages = self._take(len(starts_page))
         if pages is None:
             return None
-        slots = last + 1
-        slots[needs_page] = pages * self.page_size
+        slots = [loc + 1 for loc in last]
+        for i, page in zip(starts_page, pages.tolist(), strict=True):
+            slots[i] = page * ps
         self._debug_check()
-        return slots.to(self.device)
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------------------ free
     def free(self, slots: torch.Tensor) -> None:
@@ -157,16 +157,17 @@ class PagedKVAllocator:
 
         Freeing a page frees all of its slots, so pass only slots whose pages the caller owns
         outright. Raises ``ValueError`` (and frees nothing) for page 0, an out-of-range slot or a
-        page that is already free.
+        page that is already free. Slots on a GPU are copied to the host first (a sync).
         """
         if slots.numel() == 0:
             return
-        pages = torch.unique(slots.detach().to("cpu", torch.int64).flatten() // self.page_size)
-        if int(pages[0]) < 1 or int(pages[-1]) > self.num_pages:
+        pages = slots.detach().to("cpu", torch.int64).flatten() // self.page_size
+        if int(pages.min()) < 1 or int(pages.max()) > self.num_pages:
             raise ValueError(
                 f"freeing slots outside usable pages 1..{self.num_pages} (page 0 is reserved): "
                 f"pages {pages[(pages < 1) | (pages > self.num_pages)].tolist()[:8]}"
             )
+        pages = self._unique_pages(pages)
         already_free = self._page_free[pages]
         if bool(already_free.any()):
             raise ValueError(f"double free of KV pages {pages[already_free].tolist()[:8]}")
@@ -181,6 +182,7 @@ class PagedKVAllocator:
         # The double-free guard: one flag per page id, page 0 never free (never allocatable).
         self._page_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
         self._page_free[0] = False
+        self._counts = torch.zeros(self.num_pages + 1, dtype=torch.int32)  # scratch, kept all zero
 
     # --------------------------------------------------------------------------- checks
     def check_invariants(self) -> None:
@@ -196,6 +198,8 @@ class PagedKVAllocator:
         """Pop ``n`` page ids from the ring (host tensor), or ``None`` with nothing taken."""
         if n > self._num_free:
             return None
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
         start, end = self._head, self._head + n
         if end <= self.num_pages:
             # clone: this ring range is overwritten by later frees.
@@ -216,6 +220,19 @@ class PagedKVAllocator:
         self._ring[: k - first] = pages[first:]
         self._num_free += k
         self._page_free[pages] = True
+
+    def _unique_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """Each page id once, in first-seen order, in O(n) for the usual input (no sort).
+
+        Slots usually come in position order, so a page's slots are adjacent and
+        ``unique_consecutive`` drops the repeats. Any repeat left is counted in a zeroed scratch
+        array (integer adds: deterministic); only then does it fall back to a sort.
+        """
+        pages = torch.unique_consecutive(pages)
+        self._counts.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
+        repeated = bool((self._counts[pages] > 1).any())
+        self._counts[pages] = 0
+        return torch.unique(pages) if repeated else pages
 
     def _check_last_locs(self, prefix: torch.Tensor, last: torch.Tensor) -> None:
         """Debug: ``last_locs`` must be -1 for empty prefixes and an in-use slot of the right offset."""

@@ -91,10 +91,11 @@ class PrefixCache(Protocol):
 
 
 def _common_pages_len(key: list[int], tokens: list[int], start: int, end: int, page_size: int) -> int:
-    """Length of the common prefix of ``key`` and ``tokens[start:end]``, rounded down to pages."""
-    n = min(len(key), end - start)
-    n -= n % page_size
-    i = 0
+    """Length of the common prefix of ``key`` and ``tokens[start:end]``, in whole pages.
+
+    ``len(key)`` and ``end - start`` are page multiples (keys are page-aligned, ``end`` too).
+    """
+    n, i = min(len(key), end - start), 0
     # Compare big blocks with C-level list equality first, then page by page in the block that
     # differs: a per-token Python loop would dominate matching long prompts.
     block = page_size * max(1, 64 // page_size)
@@ -122,7 +123,7 @@ class RadixCache:
         self._init_tree()
 
     def _init_tree(self) -> None:
-        self.root = TreeNode([], torch.empty(0, dtype=torch.int64, device=self.device), None)
+        self.root = TreeNode([], self._empty(), None)
         self._evictable = 0
         self._protected = 0
         # Childless non-root nodes: the eviction candidates, kept so evict need not walk the tree.
@@ -137,20 +138,8 @@ class RadixCache:
         least one token for logits: match ``token_ids[:-1]`` when that matters.
         """
         tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
-        now = self._tick()
-        node, pos, parts = self.root, 0, []
-        end = len(tokens) - len(tokens) % self.page_size
-        while pos < end:
-            child = node.children.get(self._child_key(tokens, pos))
-            if child is None:
-                break
-            n = _common_pages_len(child.key, tokens, pos, end, self.page_size)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            parts.append(child.value)
-            node, pos = child, pos + n
-        return MatchResult(self._cat(parts), node)
+        node, _, parts = self._walk(tokens, len(tokens) - len(tokens) % self.page_size)
+        return MatchResult(torch.cat(parts) if parts else self._empty(), node)
 
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes (what ``evict`` could free)."""
@@ -175,25 +164,15 @@ class RadixCache:
         end = len(tokens) - len(tokens) % self.page_size
         if indices.numel() < end:
             raise ValueError(f"{indices.numel()} indices for {end} page-aligned tokens")
-        now = self._tick()
-        node, pos = self.root, 0
-        while pos < end:
-            child_key = self._child_key(tokens, pos)
-            child = node.children.get(child_key)
-            if child is None:
-                # clone: the caller's indices are often a view of req_to_token, reused later.
-                leaf = TreeNode(tokens[pos:end], indices[pos:end].clone(), node)
-                leaf.last_access = now
-                node.children[child_key] = leaf
-                self._leaves.discard(node)
-                self._leaves.add(leaf)
-                self._evictable += len(leaf.key)
-                return pos
-            n = _common_pages_len(child.key, tokens, pos, end, self.page_size)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            node, pos = child, pos + n
+        node, pos, _ = self._walk(tokens, end)
+        if pos < end:
+            # clone: the caller's indices are often a view of req_to_token, reused later.
+            leaf = TreeNode(tokens[pos:end], indices[pos:end].clone(), node)
+            leaf.last_access = self._clock
+            node.children[self._child_key(tokens, pos)] = leaf
+            self._leaves.discard(node)
+            self._leaves.add(leaf)
+            self._evictable += len(leaf.key)
         return pos
 
     def inc_lock_ref(self, node: TreeNode) -> int:
@@ -275,12 +254,8 @@ class RadixCache:
         ``token_ids``: those slots are freed too). ``prefix_len`` / ``last_node``: what its
         ``match_prefix`` (or last ``cache_unfinished_request``) returned and it locked.
         """
-        end = len(token_ids) - len(token_ids) % self.page_size
-        dup = self.insert(token_ids[:end], kv_indices[:end])
-        if dup < prefix_len:
-            raise RuntimeError(f"cached prefix shrank to {dup} < {prefix_len}: was it locked?")
-        # [0, prefix_len) are the tree's own; [prefix_len, dup) duplicate what the tree keeps.
-        self.allocator.free(torch.cat([kv_indices[prefix_len:dup], kv_indices[end:]]))
+        end = self._insert_request(token_ids, kv_indices, prefix_len)
+        self.allocator.free(kv_indices[end:])
         self.dec_lock_ref(last_node)
 
     def cache_unfinished_request(
@@ -293,41 +268,60 @@ class RadixCache:
         ``result.indices`` into ``req_to_token[row, :result.prefix_len]`` (some slots changed to
         the tree's), and keeps owning ``kv_indices[result.prefix_len:]``.
         """
-        end = len(token_ids) - len(token_ids) % self.page_size
-        dup = self.insert(token_ids[:end], kv_indices[:end])
-        if dup < prefix_len:
-            raise RuntimeError(f"cached prefix shrank to {dup} < {prefix_len}: was it locked?")
-        self.allocator.free(kv_indices[prefix_len:dup])
+        end = self._insert_request(token_ids, kv_indices, prefix_len)
         result = self.match_prefix(token_ids[:end])
         # Lock the new path before unlocking the old so the shared part never turns evictable.
         self.inc_lock_ref(result.last_node)
         self.dec_lock_ref(last_node)
         return result
 
+    def _insert_request(self, token_ids: Sequence[int], kv_indices: torch.Tensor, prefix_len: int) -> int:
+        """Insert a request's page-aligned KV, free its duplicates; returns the aligned length."""
+        end = len(token_ids) - len(token_ids) % self.page_size
+        dup = self.insert(token_ids[:end], kv_indices[:end])
+        if dup < prefix_len:
+            raise RuntimeError(f"cached prefix shrank to {dup} < {prefix_len}: was it locked?")
+        # [0, prefix_len) are the tree's own slots; [prefix_len, dup) duplicate what it keeps.
+        self.allocator.free(kv_indices[prefix_len:dup])
+        return end
+
     # --------------------------------------------------------------------------- debug
     def format_tree(self) -> str:
         """The tree as indented text: one line per node with its tokens, lock_ref and access time."""
         lines = [f"root (evictable={self._evictable}, protected={self._protected})"]
-
-        def visit(node: TreeNode, depth: int) -> None:
-            for child in node.children.values():
-                shown = " ".join(map(str, child.key[:16])) + (" ..." if len(child.key) > 16 else "")
-                lines.append(
-                    f"{'  ' * depth}- [{shown}] len={len(child.key)} lock_ref={child.lock_ref} "
-                    f"t={child.last_access} slots={child.value[:4].tolist()}"
-                )
-                visit(child, depth + 1)
-
-        visit(self.root, 1)
+        stack = [(child, 1) for child in reversed(self.root.children.values())]
+        while stack:
+            node, depth = stack.pop()
+            shown = " ".join(map(str, node.key[:16])) + (" ..." if len(node.key) > 16 else "")
+            lines.append(
+                f"{'  ' * depth}- [{shown}] len={len(node.key)} lock_ref={node.lock_ref} "
+                f"t={node.last_access} slots={node.value[:4].tolist()}"
+            )
+            stack.extend((child, depth + 1) for child in reversed(node.children.values()))
         return "\n".join(lines)
 
     def pretty_print(self) -> None:
         print(self.format_tree())
 
     # ------------------------------------------------------------------------ internal
-    def _tick(self) -> int:
+    def _walk(self, tokens: list[int], end: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow ``tokens[:end]`` down the tree, refreshing access times (one clock tick) and
+        splitting the node where the match ends inside one. Returns the deepest matched node,
+        the matched length (whole pages) and the values along the path.
+        """
         self._clock += 1
-        return self._clock
+        node, pos, parts = self.root, 0, []
+        while pos < end:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            n = _common_pages_len(child.key, tokens, pos, end, self.page_size)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = self._clock
+            parts.append(child.value)
+            node, pos = child, pos + n
+        return node, pos, parts
 
     def _child_key(self, tokens: list[int], start: int) -> int | tuple[int, ...]:
         if self.page_size == 1:
@@ -372,10 +366,8 @@ class RadixCache:
             stack.extend(node.children.values())
             yield node
 
-    def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        if not parts:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
 
 
 class NoPrefixCache:
@@ -395,7 +387,7 @@ class NoPrefixCache:
         self.root = TreeNode([], torch.empty(0, dtype=torch.int64, device=self.device), None)
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        return MatchResult(torch.empty(0, dtype=torch.int64, device=self.device), self.root)
+        return MatchResult(self.root.value, self.root)
 
     def insert(self, token_ids: Sequence[int], indices: torch.Tensor) -> int:
         return 0

@@ -162,9 +162,7 @@ class RotaryEmbedding(nn.Module):
         sin = torch.cat((sin, sin), dim=-1).to(dtype).unsqueeze(1)
         return cos, sin
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` ``[n, heads * head_dim]`` and ``k`` ``[n, kv_heads * head_dim]`` (or 3-D)."""
         cos, sin = self.get_cos_sin(positions, q.dtype)
         return apply_rotary(q, cos, sin, self.head_dim), apply_rotary(k, cos, sin, self.head_dim)

@@ -100,9 +100,7 @@ def _safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def iter_safetensors_weights(
-    path: str | os.PathLike[str], progress: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(path: str | os.PathLike[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, cpu_tensor)`` for every tensor of a single-file or sharded safetensors checkpoint.
 
     Shards are opened one at a time and tensors are read lazily, so peak host memory stays around
@@ -202,8 +200,6 @@ def build_model(
             if param.is_floating_point() and bool(torch.isnan(param).any())
         ]
     if missing:
-        raise ValueError(
-            f"checkpoint {os.fspath(path)} did not provide (all of) these weights: {', '.join(missing)}"
-        )
+        raise ValueError(f"checkpoint {os.fspath(path)} did not provide (all of) these weights: {', '.join(missing)}")
     logger.info("loaded %s from %s as %s on %s", type(model).__name__, os.fspath(path), dtype, device)
     return model.eval()

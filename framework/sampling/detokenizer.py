@@ -104,7 +104,7 @@ class StopStringMatcher:
         for stop in self.stops:
             start = buf.find(stop)
             if start >= 0:
-                key = (start, start, stop)
+                key = (start + len(stop), start, stop)
                 best = key if best is None or key < best else best
         if best is not None:
             _, start, stop = best
@@ -148,7 +148,5 @@ def find_stop_string_in_tail(
     if not stops or not output_ids:
         return False
     window = output_ids[-(4 * max_stop_len + 2) :]
-    text = tokenizer.decode(
-        window, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-    )
+    text = tokenizer.decode(window, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
     return any(stop in text for stop in stops if stop)

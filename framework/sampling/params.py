@@ -26,9 +26,7 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and not (
-        isinstance(value, float) and math.isnan(value)
-    )
+    return (_is_int(value) or isinstance(value, float)) and not (isinstance(value, float) and math.isnan(value))
 
 
 @dataclass

@@ -54,7 +54,7 @@ class MinTokensState:
     """CPU copy of ``left.max()``, so the state can be dropped without a device sync."""
 
 
-@dataclass
+@dataclass(eq=False)  # tensors inside: identity, not elementwise ==
 class PenaltyState:
     """All history-dependent logit adjustments of one batch; parts are None when unused."""
 
@@ -133,6 +133,17 @@ class PenaltyState:
             out.scatter_(1, mt.token_ids, torch.where(active, float("-inf"), current))
         return out
 
+    def prune(self, params: list[SamplingParams], output_lens: list[int]) -> PenaltyState | None:
+        """Drop the parts no row needs any more (e.g. after :meth:`filter` removed the rows that
+        used them), so later steps skip their work; None when nothing is left."""
+        if self.repetition is not None and all(p.repetition_penalty == 1.0 for p in params):
+            self.repetition = None
+        if self.freq_presence is not None and all(p.frequency_penalty == 0 and p.presence_penalty == 0 for p in params):
+            self.freq_presence = None
+        if self.min_tokens is not None and all(p.min_new_tokens <= n for p, n in zip(params, output_lens, strict=True)):
+            self.min_tokens = None
+        return None if self.is_empty else self
+
     # ----------------------------------------------------------------------------------------------
     def advance(self, next_token_ids: torch.Tensor) -> None:
         """Account for one newly generated token per row (``next_token_ids``: [bs] int64)."""
@@ -184,18 +195,14 @@ class PenaltyState:
                 torch.cat([ma.left, mb.left]),
                 max(ma.max_left, mb.max_left),
             )
-        return replace(
-            self, batch_size=a.batch_size + b.batch_size, repetition=rep, freq_presence=fp, min_tokens=mt
-        )
+        return replace(self, batch_size=a.batch_size + b.batch_size, repetition=rep, freq_presence=fp, min_tokens=mt)
 
     # Neutral parts let a batch with penalties merge with one without them.
     def _repetition_or_neutral(self) -> RepetitionState:
         if self.repetition is not None:
             return self.repetition
         bs, v, dev = self.batch_size, self.vocab_size, self.device
-        return RepetitionState(
-            torch.ones(bs, 1, device=dev), torch.zeros(bs, v, dtype=torch.bool, device=dev)
-        )
+        return RepetitionState(torch.ones(bs, 1, device=dev), torch.zeros(bs, v, dtype=torch.bool, device=dev))
 
     def _freq_presence_or_neutral(self) -> FrequencyPresenceState:
         if self.freq_presence is not None:
@@ -220,9 +227,7 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).view(-1, 1).to(device)
 
 
-def _flatten(
-    rows: list[int], id_lists: list[list[int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _flatten(rows: list[int], id_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) pairs for ``index_put_``, built on the CPU and sent in one copy each."""
     lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long)
     row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)

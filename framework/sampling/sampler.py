@@ -32,14 +32,15 @@ class SampleOutput:
 
     next_token_ids: torch.Tensor
     """[bs] int64 on the logits' device."""
-    logprobs: torch.Tensor
-    """[bs] float32 raw-logit log-softmax at the chosen tokens (before penalties/temperature)."""
+    logprobs: torch.Tensor | None
+    """[bs] float32 raw-logit log-softmax at the chosen tokens (before penalties/temperature);
+    None when ``sample`` was called with ``return_logprobs=False``."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per row the ``top_logprobs_nums[i]`` best raw-logit tokens with their logprobs (empty list
     for rows that asked for none); None when no numbers were passed."""
 
 
-@dataclass
+@dataclass(eq=False)  # tensors inside: identity, not elementwise ==
 class SamplingBatchInfo:
     """Per-row sampling parameters of one batch as device tensors, plus which steps are needed.
 
@@ -106,7 +107,7 @@ class SamplingBatchInfo:
             params,
             vocab_size,
             device,
-            None if penalties.is_empty else penalties,
+            penalties,
             [p.seed for p in params],
             [len(out) for out in output_ids],
         )
@@ -121,6 +122,8 @@ class SamplingBatchInfo:
         seeds: list[int | None],
         output_lens: list[int],
     ) -> SamplingBatchInfo:
+        if penalties is not None:
+            penalties = penalties.prune(params, output_lens)
         greedy = [p.is_greedy for p in params]
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)]
         ks = [vocab_size if p.top_k < 1 or p.top_k >= vocab_size else p.top_k for p in params]
@@ -128,9 +131,7 @@ class SamplingBatchInfo:
         min_ps = [float(p.min_p) for p in params]
         # One host->device copy for all per-row scalars; float64 holds the ints exactly and each
         # float rounds to float32 once, as torch.tensor(list, dtype=float32) would.
-        packed = (
-            torch.tensor([temps, cutoffs, min_ps, ks, greedy], dtype=torch.float64).T.contiguous().to(device)
-        )
+        packed = torch.tensor([temps, cutoffs, min_ps, ks, greedy], dtype=torch.float64).T.contiguous().to(device)
         sampled = [i for i, g in enumerate(greedy) if not g]
         return cls(
             params=params,
@@ -210,8 +211,14 @@ class Sampler:
         logits: torch.Tensor,
         info: SamplingBatchInfo,
         top_logprobs_nums: list[int] | None = None,
+        *,
+        return_logprobs: bool = True,
     ) -> SampleOutput:
-        """Sample one token per row of ``logits`` ([bs, V] float32, left unmodified)."""
+        """Sample one token per row of ``logits`` ([bs, V] float32, left unmodified).
+
+        ``return_logprobs=False`` skips the [bs, V] log-softmax when no request of the batch wants
+        logprobs (``top_logprobs_nums`` still works and computes it if some row asks).
+        """
         _check_shapes(logits, info)
         logits = logits.float()  # no-op for float32; bf16 logits would lose top-p/min-p precision
         scores = info.penalties.apply(logits) if info.penalties is not None else logits
@@ -226,7 +233,7 @@ class Sampler:
             next_ids = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
             if info.any_greedy:
                 next_ids = torch.where(info.greedy_mask, scores.argmax(dim=-1), next_ids)
-        return _with_logprobs(logits, next_ids, top_logprobs_nums)
+        return _with_logprobs(logits, next_ids, top_logprobs_nums, return_logprobs)
 
     def processed_probs(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """[bs, V] float32 distribution each row samples from: one-hot at the argmax for greedy
@@ -300,18 +307,21 @@ def _top_k_top_p_sorted(scores: torch.Tensor, info: SamplingBatchInfo) -> torch.
 
 
 def _with_logprobs(
-    logits: torch.Tensor, next_ids: torch.Tensor, top_logprobs_nums: list[int] | None
+    logits: torch.Tensor, next_ids: torch.Tensor, top_logprobs_nums: list[int] | None, return_logprobs: bool
 ) -> SampleOutput:
-    # logsumexp instead of a full log_softmax: one reduction, no [bs, V] output tensor.
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = (logits.gather(1, next_ids.unsqueeze(1)) - lse).squeeze(1)
+    if not return_logprobs and not top_logprobs_nums:
+        return SampleOutput(next_ids, None, None if top_logprobs_nums is None else [[] for _ in top_logprobs_nums])
+    # A fused log_softmax is cheaper than logsumexp (a chain of kernels with temporaries) on CPU
+    # and GPU alike, and makes top_logprobs exactly topk(log_softmax).
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1) if return_logprobs else None
     top: list[list[tuple[int, float]]] | None = None
     if top_logprobs_nums is not None:
         k = min(max(top_logprobs_nums, default=0), logits.shape[-1])
         top = [[] for _ in top_logprobs_nums]
         if k > 0:
-            values, ids = torch.topk(logits, k, dim=-1)
-            ids_list, lp_list = ids.tolist(), (values - lse).tolist()
+            values, ids = torch.topk(logprobs, k, dim=-1)
+            ids_list, lp_list = ids.tolist(), values.tolist()  # the step's only device->host sync
             for row, num in enumerate(top_logprobs_nums):
                 top[row] = list(zip(ids_list[row][:num], lp_list[row][:num], strict=True))
     return SampleOutput(next_ids, chosen, top)

@@ -75,14 +75,22 @@ def build_extend(
     return batch, plan
 
 
-def build_decode(reqs: list[Req], out_cache_loc: torch.Tensor, runner: object) -> ForwardBatch:
-    """A decode batch: each request feeds its last sampled token at position ``kv_len``."""
+def build_decode(
+    reqs: list[Req], out_cache_loc: torch.Tensor, runner: object, pending_input: list[bool] | None = None
+) -> ForwardBatch:
+    """A decode batch: each request feeds its last sampled token at position ``kv_len``.
+
+    ``pending_input[i]``: that token is still being sampled by the in-flight step (overlap mode);
+    a placeholder goes in and the worker fills it in.
+    """
     device = runner.device  # type: ignore[attr-defined]
     seq_lens = [r.kv_len + 1 for r in reqs]
+    pending = pending_input or [False] * len(reqs)
+    ids = [0 if p else r.output_ids[-1] for r, p in zip(reqs, pending, strict=True)]
     return ForwardBatch(
         mode=ForwardMode.DECODE,
         batch_size=len(reqs),
-        input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device),
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device),
         req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),

@@ -100,14 +100,19 @@ class KVManager:
         """Slots for each request's next ``extend_len`` tokens; written into ``req_to_token``."""
         prefix = [r.kv_len for r in reqs]
         seq = [r.kv_len + r.extend_len for r in reqs]
-        # Worst case a request needs one more page than its token count suggests (partial page).
-        if not self._ensure_free(sum(r.extend_len for r in reqs) + self.page_size * len(reqs)):
+        if not self._ensure_free(self.extend_tokens_needed(reqs)):
             return None
         slots = self.allocator.alloc_extend(prefix, seq, self._last_locs(reqs))
         if slots is None:
             return None
         self._write(reqs, prefix, [r.extend_len for r in reqs], slots)
         return slots
+
+    def extend_tokens_needed(self, reqs: Sequence[Req]) -> int:
+        """Free KV (whole new pages) that extending each request by ``extend_len`` takes."""
+        page = self.page_size
+        pages = sum(-(-(r.kv_len + r.extend_len) // page) - -(-r.kv_len // page) for r in reqs)
+        return pages * page
 
     def decode_tokens_needed(self, reqs: Sequence[Req]) -> int:
         """Tokens of free KV one decode step of these requests needs (new pages only)."""

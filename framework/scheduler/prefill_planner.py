@@ -43,6 +43,11 @@ class PrefillPlanner:
         self.policy = policy
         self.max_running = max_running
 
+    def _alloc_tokens(self, extend: int) -> int:
+        """KV tokens allocating ``extend`` tokens after a page-aligned (cached) prefix takes."""
+        page = self.kv.page_size
+        return -(-extend // page) * page
+
     def plan(
         self, waiting: list[Req], running: list[Req], chunked: Req | None, ratio: float
     ) -> PrefillPlan:
@@ -81,8 +86,8 @@ class PrefillPlanner:
             reserve = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), clip) * ratio
             # Admit when the prompt and its reservation fit; a lone request may start as long as
             # its first chunk fits (it is admitted only because its whole length fits the cache).
-            fits_whole = need + reserve <= rem_total
             extend = min(need, chunk_cap, rem_input)
+            fits_whole = self._alloc_tokens(need) + reserve <= rem_total
             if not fits_whole and (plan.reqs or running or extend + self.kv.page_size > rem_total):
                 break
             if extend < need and plan.reqs and extend < min(need, chunk_cap):
@@ -92,7 +97,7 @@ class PrefillPlanner:
             req.extend_len = extend
             plan.reqs.append(req)
             rem_input -= extend
-            admitted_cost += extend + int(reserve)
+            admitted_cost += self._alloc_tokens(extend) + int(reserve)
             slots_left -= 1
             if extend < need:
                 plan.chunked = req

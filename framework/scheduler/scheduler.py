@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,11 +20,12 @@ import torch
 from framework.config.schema import PlugserveConfig
 from framework.engine.model_runner import ModelRunner
 from framework.plugins import get_plugins
-from framework.sampling.sampler import Sampler, SamplingBatchInfo
+from framework.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from framework.scheduler.batch_builder import LogitsPlan, build_decode, build_extend
 from framework.scheduler.finish import check_finished
 from framework.scheduler.kv_manager import KVManager
 from framework.scheduler.outputs import RequestOutput
+from framework.scheduler.overlap import OverlapDecodeMixin
 from framework.scheduler.prefill_planner import PrefillPlanner
 from framework.scheduler.request import FinishReason, Req
 from framework.scheduler.stats import BatchStats, RequestStats
@@ -31,11 +33,20 @@ from framework.scheduler.stats import BatchStats, RequestStats
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class SamplingInputs:
+    """Per-batch sampling state prepared before the forward."""
+
+    info: SamplingBatchInfo
+    top_nums: list[int] | None
+    want_logprobs: bool
+
+
 class AdmissionError(ValueError):
     """A request that can never run (too long, bad parameters): the client gets a 400."""
 
 
-class Scheduler:
+class Scheduler(OverlapDecodeMixin):
     """Owns the waiting queue, the running batch and the model runner."""
 
     def __init__(self, settings: PlugserveConfig, runner: ModelRunner | None = None, tokenizer: Any = None):
@@ -65,6 +76,7 @@ class Scheduler:
         self.cache_hit_tokens = 0
         self.prompt_tokens_seen = 0
         self._pending: list[RequestOutput] = []
+        self._init_overlap(self.cfg.overlap)
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -118,7 +130,7 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._pending)
+        return bool(self.waiting or self.running or self.chunked or self._pending or self._inflight)
 
     def num_running(self) -> int:
         return len(self.running) + (1 if self.chunked else 0)
@@ -127,25 +139,35 @@ class Scheduler:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch (prefill if any can be formed, else decode); return output deltas."""
-        plan = self.planner.plan(self.waiting, self.running, self.chunked, self.new_token_ratio)
-        if plan.reqs:
-            self._run_prefill(plan.reqs, plan.chunked)
-        elif self.running:
-            self._run_decode()
+        if self._executor is not None:
+            self._step_overlap()
+        else:
+            plan = self.planner.plan(self.waiting, self.running, self.chunked, self.new_token_ratio)
+            ran_prefill = bool(plan.reqs) and self._run_prefill(plan.reqs, plan.chunked)
+            if not ran_prefill and self.running:
+                self._run_decode()
         out, self._pending = self._pending, []
         return out
 
-    def _run_prefill(self, reqs: list[Req], chunked: Req | None) -> None:
+    def _run_prefill(self, reqs: list[Req], chunked: Req | None) -> bool:
+        """Prefill ``reqs``; False if not even one of them could get KV (decode runs instead)."""
         for r in reqs:
             if r in self.waiting:
                 self.waiting.remove(r)
         slots = self.kv.alloc_extend(reqs)
-        if slots is None:  # the budget estimate was off (page rounding): retry later
-            for r in reqs:
-                if r is not self.chunked:
-                    self.kv.release(r)
-                    self.waiting.insert(0, r)
-            return
+        while slots is None and reqs:
+            # The budget estimate was off (page rounding): give back the last admitted request.
+            last = reqs.pop()
+            if last is chunked:
+                chunked = None
+            if last is self.chunked:
+                last.extend_len = 0  # keeps its row and KV; continues in a later batch
+            else:
+                self.kv.release(last)
+                self.waiting.insert(0, last)
+            slots = self.kv.alloc_extend(reqs) if reqs else None
+        if not reqs:
+            return False
         self.chunked = chunked
         batch, plan = build_extend(reqs, slots, self.runner)
         stats = self._stats("prefill", reqs, batch.num_tokens)
@@ -161,6 +183,7 @@ class Scheduler:
             self._sample(plan.sample_reqs, logits[plan.sample_rows])
             self.running.extend(r for r in plan.sample_reqs if not r.finished)
         self.hook.on_batch_finished(batch=stats, elapsed_s=time.perf_counter() - start)
+        return True
 
     def _run_decode(self) -> None:
         self._make_room_for_decode()
@@ -214,27 +237,42 @@ class Scheduler:
     # -- sampling and results --------------------------------------------------------------
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        self._apply_samples(reqs, self._sample_tensors(logits, self._sampling_inputs(reqs)))
+
+    def _sampling_inputs(self, reqs: list[Req], pending_one: list[bool] | None = None) -> SamplingInputs:
+        """Everything sampling needs, built on the scheduler thread. ``pending_one[i]``: request i
+        has one token in flight not yet in ``output_ids`` (overlap mode, which has no penalties:
+        only the output length matters then, for seeds and min_new_tokens)."""
+        pending = pending_one or [False] * len(reqs)
+        outputs = [r.output_ids + [0] if p else r.output_ids for r, p in zip(reqs, pending, strict=True)]
         info = SamplingBatchInfo.build(
-            [r.sampling_params for r in reqs],
-            [r.input_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            [r.eos_token_ids for r in reqs],
-            logits.shape[-1],
-            logits.device,
+            [r.sampling_params for r in reqs], [r.input_ids for r in reqs], outputs,
+            [r.eos_token_ids for r in reqs], self.runner.vocab_size, self.runner.device,
         )
         top_nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        want_top = any(top_nums)
-        out = self.sampler.sample(logits, info, top_nums if want_top else None)
+        return SamplingInputs(info, top_nums if any(top_nums) else None, any(r.return_logprob for r in reqs))
+
+    def _sample_tensors(self, logits: torch.Tensor, inputs: SamplingInputs) -> SampleOutput:
+        """The sampling computation alone (safe to run on the overlap worker thread)."""
+        return self.sampler.sample(
+            logits, inputs.info, inputs.top_nums, return_logprobs=inputs.want_logprobs
+        )
+
+    def _apply_samples(self, reqs: list[Req], out: SampleOutput, skip: set[str] | frozenset = frozenset()) -> None:
+        """Append sampled tokens, check stop conditions, emit deltas (requests in ``skip`` had
+        already finished: their token is dropped)."""
         next_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist() if any(r.return_logprob for r in reqs) else None
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         now = time.monotonic()
         for i, r in enumerate(reqs):
+            if r.rid in skip or r.finished:
+                continue
             r.output_ids.append(next_ids[i])
             if r.first_token_time is None:
                 r.first_token_time = now
             if r.return_logprob and logprobs is not None:
                 r.output_logprobs.append(logprobs[i])
-                if want_top and out.top_logprobs is not None:
+                if out.top_logprobs is not None:
                     r.output_top_logprobs.append(out.top_logprobs[i])
             reason = check_finished(r, self.context_len, self.tokenizer)
             if reason is not None:
@@ -281,7 +319,7 @@ class Scheduler:
         return out
 
     def _finish(self, req: Req, error: str | None = None) -> None:
-        self.kv.release(req)
+        self._release_or_defer(req)
         self.requests.pop(req.rid, None)
         delta = self._delta(req)
         delta.error = error
@@ -315,7 +353,7 @@ class Scheduler:
         )
 
     def leak_report(self) -> dict[str, int]:
-        holders = self.running + ([self.chunked] if self.chunked else [])
+        holders = self.running + ([self.chunked] if self.chunked else []) + self._deferred_release
         return self.kv.leak_report(self.kv.held_by(holders))
 
     def flush_cache(self) -> bool:

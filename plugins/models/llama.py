@@ -49,9 +49,7 @@ class LlamaAttention(nn.Module):
         qkv_bias, o_bias = self.projection_biases(config)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id=layer_id
-        )
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id=layer_id)
 
     @classmethod
     def projection_biases(cls, config: Any) -> tuple[bool, bool]:
@@ -134,9 +132,7 @@ class LlamaModel(nn.Module):
         # One table for all layers: cos/sin are gathered once per forward, not once per layer.
         self.rotary_emb: RotaryEmbedding = get_rope(config, config_head_dim(config))
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.get_cos_sin(positions, hidden_states.dtype)
         for layer in self.layers:
@@ -168,9 +164,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm."""
         return self.model(input_ids, positions, forward_batch)
 
@@ -214,14 +208,10 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(target)
             if param is None:
-                raise ValueError(
-                    f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}"
-                )
+                raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}")
             dst = param if rows is None else param[rows[0] : rows[1]]
             if dst.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
-                )
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded.add(target)
         return loaded

@@ -76,9 +76,7 @@ class MiniRunner:
         self.allocator = PageAllocator(num_pages, page_size, seed)
         self.lens: dict[int, int] = {}
         self.attn_backend = backend_factory(
-            SimpleNamespace(
-                device=self.device, dtype=dtype, kv_cache=self.kv_cache, req_to_token=self.req_to_token
-            ),
+            SimpleNamespace(device=self.device, dtype=dtype, kv_cache=self.kv_cache, req_to_token=self.req_to_token),
             backend_options,
         )
 

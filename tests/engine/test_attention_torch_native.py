@@ -54,8 +54,7 @@ class Case:
             num_pages=4096 // page_size,
         )
         self.layers = [
-            Attention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, layer_id=i)
-            for i in range(NUM_LAYERS)
+            Attention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, layer_id=i) for i in range(NUM_LAYERS)
         ]
         self.history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.gen = torch.Generator().manual_seed(1234)
@@ -121,9 +120,7 @@ SHAPES = pytest.mark.parametrize(
 
 
 @SHAPES
-def test_extend_mixed_prompt_lengths(
-    page_size: int, num_heads: int, num_kv_heads: int, head_dim: int
-) -> None:
+def test_extend_mixed_prompt_lengths(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     case = Case(page_size, num_heads, num_kv_heads, head_dim)
     rows = [case.runner.new_request() for _ in range(4)]
     assert_all_close(case.extend(rows, [1, 7, 20, 33]))
@@ -142,9 +139,7 @@ def test_extend_on_cached_prefix(page_size: int, num_heads: int, num_kv_heads: i
 
 
 @SHAPES
-def test_decode_mixed_context_lengths(
-    page_size: int, num_heads: int, num_kv_heads: int, head_dim: int
-) -> None:
+def test_decode_mixed_context_lengths(page_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     case = Case(page_size, num_heads, num_kv_heads, head_dim)
     rows = [case.runner.new_request() for _ in range(5)]
     case.extend(rows, [1, 9, 16, 40, 63])

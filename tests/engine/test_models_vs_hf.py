@@ -187,6 +187,30 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
+def test_bfloat16_load_runs_close_to_hf(tmp_path: Path) -> None:
+    """bf16 weights and KV cache: only close to HF (GEMM shapes differ), but every dtype path runs."""
+    hf = make_hf_model("qwen3")
+    hf.save_pretrained(tmp_path)
+    config = load_hf_config(tmp_path)
+    model = build_model(config, registered_models()["Qwen3ForCausalLM"], None, torch.bfloat16, "cpu", tmp_path)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    attn = model.model.layers[0].self_attn
+    runner = MiniRunner(
+        TorchNativeAttnBackend,
+        model=model,
+        num_layers=2,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        dtype=torch.bfloat16,
+    )
+    prompt = prompts()[2]
+    with torch.inference_mode():
+        expected = hf.to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float()
+    got = runner.logits(runner.extend_batch([runner.new_request()], [prompt]), all_tokens=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.25)
+
+
 def test_missing_weight_is_named(tmp_path: Path) -> None:
     hf = make_hf_model("llama_gqa")
     hf.save_pretrained(tmp_path)
@@ -263,9 +287,7 @@ def test_rotary_matches_hf(case: str) -> None:
     q, k = torch.randn(7, 4 * head_dim), torch.randn(7, 2 * head_dim)
     got_q, got_k = rope(positions, q, k)
     cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
-    exp_q, exp_k = apply_rotary_pos_emb(
-        q.view(1, 7, 4, head_dim), k.view(1, 7, 2, head_dim), cos, sin, unsqueeze_dim=2
-    )
+    exp_q, exp_k = apply_rotary_pos_emb(q.view(1, 7, 4, head_dim), k.view(1, 7, 2, head_dim), cos, sin, unsqueeze_dim=2)
     torch.testing.assert_close(got_q, exp_q.reshape(7, -1), rtol=0, atol=2e-6)
     torch.testing.assert_close(got_k, exp_k.reshape(7, -1), rtol=0, atol=2e-6)
 

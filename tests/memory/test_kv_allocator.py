@@ -70,7 +70,6 @@ def test_free_and_realloc_never_duplicates(page_size: int) -> None:
     all_slots = torch.cat(list(held.values()))
     assert torch.unique(all_slots).numel() == all_slots.numel()
     assert a.available_size() == 0
-    # Freed pages come back in the order they were freed (sorted within one free call).
     for t in held.values():
         a.free(t)
     assert a.available_size() == a.total_size()
@@ -95,9 +94,7 @@ def test_alloc_extend_fills_partial_page_first(page_size: int) -> None:
         out += expected_slots(p, s, loc, [next(taken) for _ in range(k)], ps)
     assert second.tolist() == out
     # Within a request, slots of one page are consecutive and belong to the same page.
-    for r, more in zip(
-        reqs, torch.split(second, [s - p for p, s in zip(prefix, seq, strict=True)]), strict=True
-    ):
+    for r, more in zip(reqs, torch.split(second, [s - p for p, s in zip(prefix, seq, strict=True)]), strict=True):
         whole = torch.cat([r, more])
         for start in range(0, whole.numel(), ps):
             page = whole[start : start + ps]
@@ -149,6 +146,34 @@ def test_debug_checks_bad_last_loc() -> None:
         a.alloc_extend([2], [3], [4 * 4 + 1])  # a slot in a page that is not allocated
     with pytest.raises(ValueError):
         a.alloc_extend([3], [2], [int(s[1])])  # seq shorter than prefix
+
+
+def test_free_list_wraps_around_in_fifo_order() -> None:
+    a = PagedKVAllocator(num_pages=4, page_size=2, debug=True)
+    first = a.alloc_pages(3)
+    a.free(torch.tensor([5, 2]))  # pages 2 then 1: freed pages queue up in the order given
+    assert a.free_page_ids().tolist() == [4, 2, 1]
+    assert a.alloc_pages(3).tolist() == [4, 2, 1]  # the ring wraps past its end
+    a.free(torch.tensor([6, 7]))  # page 3 (both its slots)
+    a.free(torch.tensor([8, 2]))  # pages 4 and 1: this write to the ring wraps past its end
+    assert a.free_page_ids().tolist() == [3, 4, 1]
+    assert first.tolist() == [1, 2, 3]
+
+
+def test_free_dedupes_pages_given_in_any_order() -> None:
+    a = PagedKVAllocator(num_pages=4, page_size=2, debug=True)
+    a.alloc_pages(4)
+    a.free(torch.tensor([4, 2, 5, 3]))  # pages 2, 1, 2, 1: not adjacent, still freed once each
+    assert a.free_page_ids().tolist() == [1, 2]
+    a.free(torch.tensor([9, 9, 8]))  # page 4 three times in a row
+    assert a.num_free_pages() == 3
+    b = PagedKVAllocator(num_pages=4, page_size=1, debug=True)
+    b.alloc_pages(4)
+    b.free(torch.tensor([3, 1, 3]))
+    assert b.free_page_ids().tolist() == [1, 3]
+    with pytest.raises(ValueError, match="double free"):
+        b.free(torch.tensor([2, 3]))
+    assert b.num_free_pages() == 2  # nothing freed by the failed call
 
 
 def test_clear_and_determinism() -> None:
@@ -210,9 +235,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             k = (s + ps - 1) // ps - (p + ps - 1) // ps
             expect += expected_slots(p, s, loc, [next(taken) for _ in range(k)], ps)
         assert out.tolist() == expect
-        for rid, chunk in zip(
-            ids, torch.split(out, [s - p for p, s in zip(prefix, seq, strict=True)]), strict=True
-        ):
+        for rid, chunk in zip(ids, torch.split(out, [s - p for p, s in zip(prefix, seq, strict=True)]), strict=True):
             self.reqs[rid] += chunk.tolist()
 
     @precondition(lambda self: any(self.reqs.values()))

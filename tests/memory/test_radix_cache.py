@@ -83,10 +83,7 @@ def test_insert_returns_duplicate_length_and_keeps_old_slots(ps: int) -> None:
     dup = cache.insert(b, slots_b)
     assert dup == 2 * ps
     # The tree keeps a's slots for the shared part and takes b's slots only for the new pages.
-    assert (
-        cache.match_prefix(b).indices.tolist()
-        == slots_a[: 2 * ps].tolist() + slots_b[2 * ps : 4 * ps].tolist()
-    )
+    assert cache.match_prefix(b).indices.tolist() == slots_a[: 2 * ps].tolist() + slots_b[2 * ps : 4 * ps].tolist()
     alloc.free(torch.cat([slots_b[:dup], slots_b[4 * ps :]]))
     again = fresh(alloc, len(b))
     assert cache.insert(b, again) == 4 * ps  # everything already there
@@ -123,7 +120,16 @@ def test_lock_refs_protect_from_eviction(ps: int) -> None:
     assert cache.inc_lock_ref(m.last_node) == 0  # already protected
     assert (cache.evictable_size(), cache.protected_size()) == (ps, 2 * ps)
     check_accounting(alloc, cache)
-    assert cache.evict(100 * ps) == ps  # only b's own page
+    d = [7] * (2 * ps)
+    put(alloc, cache, d)
+    md = cache.match_prefix(d)
+    cache.inc_lock_ref(md.last_node)
+    cache.match_prefix([7] * ps + [9] * ps)  # splits the locked node: both halves stay locked
+    assert (cache.evictable_size(), cache.protected_size()) == (ps, 4 * ps)
+    check_accounting(alloc, cache)
+    assert cache.dec_lock_ref(md.last_node) == 2 * ps
+    assert cache.evict(100 * ps) == 3 * ps  # b's own page and both halves of d
+    assert cache.match_prefix(d).prefix_len == 0
     assert cache.match_prefix(a).prefix_len == 2 * ps
     assert cache.match_prefix(b).prefix_len == ps
     assert cache.dec_lock_ref(m.last_node) == 0  # still locked once
@@ -203,12 +209,27 @@ def test_request_flow_chunked_then_finished(ps: int) -> None:
     chunk = 3 * ps + partial
     kv = torch.cat([m.indices, alloc.alloc_extend([m.prefix_len], [chunk], [int(m.indices[-1])])])
     check_accounting(alloc, cache, held_outside=ps + partial * ps)  # a full page (+ a partial one)
+    # Another request cached the same chunk meanwhile: our copy of its page is a duplicate.
+    other = put(alloc, cache, prompt[:chunk])
+    res = cache.cache_unfinished_request(prompt[:chunk], kv, m.prefix_len, m.last_node)
+    assert res.indices.tolist() == m.indices.tolist() + other[2 * ps : 3 * ps].tolist()
+    assert cache.protected_size() == 3 * ps
+    check_accounting(alloc, cache, held_outside=partial * ps)  # only the partial page is the request's
+    kv = torch.cat([res.indices, kv[res.prefix_len :]])  # slots may have changed to the tree's
+    kv = torch.cat([kv, alloc.alloc_extend([chunk], [len(prompt)], [int(kv[-1])])])
+    cache.cache_finished_request(prompt, kv, res.prefix_len, res.last_node)
+    check_accounting(alloc, cache)
+    # Again, and this time nobody else caches the chunk first.
+    m = cache.match_prefix(prompt[: 2 * ps])
+    cache.inc_lock_ref(m.last_node)
+    prompt = prompt[: 2 * ps] + [6] * (3 * ps + 1)
+    kv = torch.cat([m.indices, alloc.alloc_extend([m.prefix_len], [chunk], [int(m.indices[-1])])])
     res = cache.cache_unfinished_request(prompt[:chunk], kv, m.prefix_len, m.last_node)
     assert res.prefix_len == 3 * ps and res.indices.tolist() == kv[: 3 * ps].tolist()
     assert cache.protected_size() == 3 * ps
     check_accounting(alloc, cache, held_outside=partial * ps)  # only the partial page is the request's
-    more = alloc.alloc_extend([chunk], [len(prompt)], [int(kv[-1])])
-    kv = torch.cat([res.indices, kv[res.prefix_len :], more])
+    kv = torch.cat([res.indices, kv[res.prefix_len :]])  # slots may have changed to the tree's
+    kv = torch.cat([kv, alloc.alloc_extend([chunk], [len(prompt)], [int(kv[-1])])])
     # A second request computed the same prompt meanwhile and cached it first: duplicates.
     put(alloc, cache, prompt)
     cache.cache_finished_request(prompt, kv, res.prefix_len, res.last_node)

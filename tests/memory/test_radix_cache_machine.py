@@ -132,9 +132,7 @@ class RadixMachine(RuleBasedStateMachine):
             # LRU: nothing evicted is newer than any unlocked leaf that stayed.
             protected = self._protected_pages()
             remaining_leaves = [
-                p
-                for p in after
-                if p not in protected and not any(q[: len(p)] == p and len(q) > len(p) for q in after)
+                p for p in after if p not in protected and not any(q[: len(p)] == p and len(q) > len(p) for q in after)
             ]
             newest_removed = max(self.ref_time[p] for p in removed)
             assert all(self.ref_time[p] >= newest_removed for p in remaining_leaves)
@@ -211,6 +209,13 @@ class RadixMachine(RuleBasedStateMachine):
         req.kv += new
         req.computed = end
 
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def start_same_as_running(self, data: st.DataObject) -> None:
+        """Two requests with one prompt: whichever caches a page second holds duplicates."""
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        self.start_request(list(self.running[rid].tokens), data)
+
     @precondition(lambda self: any(r.computed < len(r.tokens) for r in self.running.values()))
     @rule(data=st.data())
     def next_chunk(self, data: st.DataObject) -> None:
@@ -239,9 +244,7 @@ class RadixMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.running)))
         req = self.running.pop(rid)
         done = req.tokens[: req.computed]
-        self.cache.cache_finished_request(
-            done, torch.tensor(req.kv, dtype=torch.int64), req.prefix_len, req.last_node
-        )
+        self.cache.cache_finished_request(done, torch.tensor(req.kv, dtype=torch.int64), req.prefix_len, req.last_node)
         self._model_insert(done, req.kv)
 
     # -------------------------------------------------------------------- invariants
@@ -274,10 +277,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert not (tree_pages & outside) and not (tree_pages & free) and not (outside & free)
         assert len(tree_pages) + len(outside) + len(free) == self.num_pages
         total = (
-            self.alloc.available_size()
-            + self.cache.evictable_size()
-            + self.cache.protected_size()
-            + len(outside) * ps
+            self.alloc.available_size() + self.cache.evictable_size() + self.cache.protected_size() + len(outside) * ps
         )
         assert total == self.alloc.total_size()
 

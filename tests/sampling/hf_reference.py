@@ -46,9 +46,7 @@ def hf_penalised(
     if params.repetition_penalty != 1.0:
         scores = RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty))(input_ids, scores)
     if params.frequency_penalty != 0 or params.presence_penalty != 0:
-        scores = frequency_presence_formula(
-            scores, output, params.frequency_penalty, params.presence_penalty
-        )
+        scores = frequency_presence_formula(scores, output, params.frequency_penalty, params.presence_penalty)
     if params.min_new_tokens > 0:
         stop_ids = list(dict.fromkeys(eos_ids + params.stop_token_ids))
         processor = MinNewTokensLengthLogitsProcessor(len(prompt), params.min_new_tokens, stop_ids)

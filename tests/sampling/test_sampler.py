@@ -19,7 +19,10 @@ def _info(params: list[SamplingParams], outputs: list[list[int]] | None = None, 
     outputs = outputs if outputs is not None else [[] for _ in range(n)]
     prompts = kw.get("prompts", [[] for _ in range(n)])
     eos = kw.get("eos", [[0] for _ in range(n)])
-    return SamplingBatchInfo.build(params, prompts, outputs, eos, kw.get("vocab", V), "cpu")
+    return SamplingBatchInfo.build(params, prompts, outputs, eos, kw.get("vocab", V), kw.get("device", "cpu"))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def test_greedy_is_argmax_and_uses_no_randomness() -> None:
@@ -105,48 +108,64 @@ def test_logprobs_are_raw_log_softmax_and_top_logprobs_are_topk() -> None:
     out = Sampler().sample(logits, _info(params, prompts=[[1, 2, 3]] * 5, outputs=[[4]] * 5), nums)
     raw = torch.log_softmax(logits, dim=-1)
     want = raw.gather(1, out.next_token_ids.unsqueeze(1)).squeeze(1)
-    assert out.logprobs.dtype == torch.float32 and out.next_token_ids.dtype == torch.int64
+    assert out.logprobs is not None and out.logprobs.dtype == torch.float32 and out.next_token_ids.dtype == torch.int64
     torch.testing.assert_close(out.logprobs, want, atol=1e-5, rtol=0)
     assert out.top_logprobs is not None
     for i, k in enumerate(nums):
         vals, ids = torch.topk(raw[i], k)
         assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
-        torch.testing.assert_close(
-            torch.tensor([lp for _, lp in out.top_logprobs[i]]), vals, atol=1e-5, rtol=0
-        )
+        torch.testing.assert_close(torch.tensor([lp for _, lp in out.top_logprobs[i]]), vals, atol=1e-5, rtol=0)
     assert Sampler().sample(logits, _info(params)).top_logprobs is None
+    cheap = Sampler().sample(logits, _info(params), [0] * 5, return_logprobs=False)
+    assert cheap.logprobs is None and cheap.top_logprobs == [[]] * 5
 
 
 # ---------------------------------------------------------------------------------------------------
 # Seeds
 
 
-def _seeded_run(row_logits: list[torch.Tensor], seed: int, others: int, position: int) -> list[int]:
+# Neighbours switch on every optional step (top-k, min-p, penalties, greedy) in turn, so the
+# seeded row must come out the same whichever code paths its batch takes.
+_NEIGHBOURS = [
+    {"temperature": 0.7},
+    {"top_k": 5, "seed": 1000},
+    {"temperature": 0.0},
+    {"min_p": 0.2, "seed": 1001},
+    {"repetition_penalty": 1.5, "frequency_penalty": 0.5},
+    {"min_new_tokens": 50, "top_p": 0.5},
+]
+
+
+def _seeded_run(
+    row_logits: list[torch.Tensor], seed: int, others: int, position: int, device: str = "cpu"
+) -> list[int]:
     """Generate len(row_logits) steps for a seeded row placed at ``position`` among ``others``
-    other rows (seeded and unseeded) with their own logits."""
+    other rows with their own params and logits."""
     sampler, tokens = Sampler(), []
     for step, row in enumerate(row_logits):
-        params = [SamplingParams(temperature=1.3, top_p=0.97, seed=(1000 + j if j % 2 else None)) for j in range(others)]
+        params = [SamplingParams(**_NEIGHBOURS[(j + step) % len(_NEIGHBOURS)]) for j in range(others)]
         params.insert(position, SamplingParams(temperature=1.3, top_p=0.97, seed=seed))
         logits = torch.randn(others + 1, V)
         logits[position] = row
-        outputs = [[0] * step for _ in params]
-        out = sampler.sample(logits, _info(params, outputs=outputs))
+        outputs = [[1] * step for _ in params]
+        info = _info(params, outputs=outputs, prompts=[[2, 3]] * len(params), device=device)
+        out = sampler.sample(logits.to(device), info)
         tokens.append(int(out.next_token_ids[position]))
     return tokens
 
 
-def test_seeded_row_reproduces_across_batch_composition_and_order() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_reproduces_across_batch_composition_and_order(device: str) -> None:
     gen = torch.Generator().manual_seed(7)
     row_logits = [torch.randn(V, generator=gen) for _ in range(12)]
     torch.manual_seed(0)
-    reference = _seeded_run(row_logits, seed=42, others=0, position=0)
-    for others, position, global_seed in [(3, 0, 1), (3, 3, 2), (7, 4, 3), (1, 1, 4)]:
+    reference = _seeded_run(row_logits, seed=42, others=0, position=0, device=device)
+    for others, position, global_seed in [(3, 0, 1), (3, 3, 2), (7, 4, 3), (1, 1, 4), (6, 2, 5)]:
         torch.manual_seed(global_seed)  # unseeded neighbours draw different noise each time
-        assert _seeded_run(row_logits, 42, others, position) == reference
+        assert _seeded_run(row_logits, 42, others, position, device) == reference
     assert len(set(reference)) > 1, "steps must draw fresh noise"
     torch.manual_seed(0)
-    assert _seeded_run(row_logits, 43, 2, 1) != reference
+    assert _seeded_run(row_logits, 43, 2, 1, device) != reference
 
 
 def test_mix_seed_separates_seeds_and_steps() -> None:
@@ -228,3 +247,31 @@ def test_advance_filter_merge_equal_a_fresh_build() -> None:
     for _ in range(6):  # run past every min_new_tokens: the masking state then goes away
         live.advance(torch.full((5,), 20))
     assert live.penalties is not None and live.penalties.min_tokens is None
+
+
+@pytest.mark.parametrize("plain_first", [True, False])
+def test_merge_with_a_batch_without_penalties(plain_first: bool) -> None:
+    torch.manual_seed(10)
+    plain = [SamplingParams(temperature=0.5), SamplingParams(top_k=3)]
+    penalised = [SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2, min_new_tokens=4)]
+    prompts, outputs, eos = [[5, 6], [7], [8, 9]], [[1], [2, 2], [3, 3, 4]], [[0], [0], [0, 1]]
+    a = SamplingBatchInfo.build(plain, prompts[:2], outputs[:2], eos[:2], V, "cpu")
+    b = SamplingBatchInfo.build(penalised, prompts[2:], outputs[2:], eos[2:], V, "cpu")
+    assert a.penalties is None and b.penalties is not None
+    merged = a.merge(b) if plain_first else b.merge(a)
+    order = [0, 1, 2] if plain_first else [2, 0, 1]
+    params = plain + penalised
+    fresh = SamplingBatchInfo.build(
+        [params[i] for i in order],
+        [prompts[i] for i in order],
+        [outputs[i] for i in order],
+        [eos[i] for i in order],
+        V,
+        "cpu",
+    )
+    logits = torch.randn(3, V)
+    sampler = Sampler()
+    torch.testing.assert_close(sampler.processed_probs(logits, merged), sampler.processed_probs(logits, fresh))
+    # Once the penalised row is gone, its state goes too: no penalty work for plain rows.
+    assert merged.filter([order.index(0), order.index(1)]).penalties is None
+    assert merged.filter([order.index(2)]).penalties is not None

@@ -58,13 +58,15 @@ def _assert_matches_hf(
     prompts: list[list[int]],
     outputs: list[list[int]],
     eos: list[list[int]],
+    device: str = "cpu",
+    atol: float = 1e-6,
 ) -> None:
     vocab = logits.shape[1]
-    info = SamplingBatchInfo.build(params, prompts, outputs, eos, vocab, "cpu")
-    ours = Sampler().processed_probs(logits, info)
+    info = SamplingBatchInfo.build(params, prompts, outputs, eos, vocab, device)
+    ours = Sampler().processed_probs(logits.to(device), info).cpu()
     for i, p in enumerate(params):
         ref = hf_probs(logits[i], p, prompts[i], outputs[i], eos[i])
-        torch.testing.assert_close(ours[i], ref, atol=1e-6, rtol=0, msg=lambda m, i=i: f"row {i}: {m}")
+        torch.testing.assert_close(ours[i], ref, atol=atol, rtol=0, msg=lambda m, i=i: f"row {i}: {m}")
         # The allowed set must be identical, not just close: a filtered token has probability 0.
         assert torch.equal(ours[i] > 0, ref > 0), f"row {i} ({p}): different allowed tokens"
 
@@ -81,6 +83,18 @@ def test_mixed_batch_matches_hf_row_by_row(seed: int, vocab: int) -> None:
     scale = torch.tensor([0.5, 1.0, 3.0, 6.0]).repeat(len(params))[: len(params), None]
     logits = torch.randn(len(params), vocab) * scale
     _assert_matches_hf(logits, params, prompts, outputs, [EOS] * len(params))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_batch_on_cuda_matches_hf_on_cpu(seed: int) -> None:
+    """Same pipeline on the GPU; HF runs on the CPU, so reductions round differently (1e-5)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    params = [SamplingParams(**kw) for kw in ROW_PARAMS]
+    prompts, outputs = _histories(rng, len(params), 50_000)
+    logits = torch.randn(len(params), 50_000) * 4
+    _assert_matches_hf(logits, params, prompts, outputs, [EOS] * len(params), device="cuda", atol=1e-5)
 
 
 def test_large_vocab_batch_matches_hf() -> None:
@@ -154,8 +168,7 @@ def test_sampled_tokens_are_in_the_allowed_set(data: st.DataObject, vocab: int, 
         assume(torch.unique(scaled).numel() == vocab)
     info = SamplingBatchInfo.build(params, [[]] * batch, [[]] * batch, [[]] * batch, vocab, "cpu")
     allowed = [
-        (hf_scores(logits[i], p, [], [], []) > float("-inf")) if not p.is_greedy else None
-        for i, p in enumerate(params)
+        (hf_scores(logits[i], p, [], [], []) > float("-inf")) if not p.is_greedy else None for i, p in enumerate(params)
     ]
     sampler = Sampler()
     torch.manual_seed(data.draw(st.integers(0, 2**31 - 1)))

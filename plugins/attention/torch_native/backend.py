@@ -27,10 +27,11 @@ _SDPA_HAS_GQA = torch.__version__ >= "2.5"
 class TorchNativeOptions:
     """Options of the ``torch_native`` backend."""
 
-    decode_max_gather_tokens: int = 262144
-    """Cap on ``requests x padded context length`` gathered into one decode buffer. A larger decode
-    batch is split into groups of requests under the cap, which bounds the extra memory at about
-    ``2 x cap x kv_heads x head_dim`` elements; one group (the usual case) is fastest."""
+    decode_max_gather_tokens: int = 65536
+    """Cap on ``requests x longest context`` gathered into one padded decode buffer. A decode batch
+    over the cap is split into groups of requests under it, which bounds the reused gather buffers
+    at ``2 x cap x kv_heads x head_dim`` elements (512 MiB for 8 kv heads of 128 in fp32). One
+    group (64 requests of 1k tokens fit) is the fast case."""
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Benchmarks: ``plugserve bench offline | one-batch`` (and more in later work)."""

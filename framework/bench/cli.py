@@ -1,0 +1,101 @@
+"""``plugserve bench ...`` argument parsing and dispatch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from typing import Any
+
+DEFAULT_RESULTS = "bench_results/results.jsonl"
+
+
+def add_bench_commands(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        src = p.add_mutually_exclusive_group()
+        src.add_argument("--model-path", help="a Hugging Face model directory (default: the config's)")
+        src.add_argument("--random-model", help="generate a random model: llama-120m or llama-tiny")
+        p.add_argument("--config", metavar="FILE")
+        p.add_argument("--output", default=DEFAULT_RESULTS, help="JSONL file results are appended to")
+        p.add_argument("--tag", default="", help="free-form label stored with the result")
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+
+    p = bench_sub.add_parser("offline", help="in-process throughput of a whole workload")
+    common(p)
+    p.add_argument("--dataset", choices=["random", "generated-shared-prefix", "jsonl"], default="random")
+    p.add_argument("--dataset-path", help="JSONL file for --dataset jsonl")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=1.0)
+    p.add_argument("--gsp-groups", type=int, default=8)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-len", type=int, default=1024)
+    p.add_argument("--gsp-question-len", type=int, default=64)
+    p.add_argument("--single-decode", action="store_true", help="also measure one request decoding alone")
+    p.set_defaults(func=cmd_offline)
+
+    p = bench_sub.add_parser("one-batch", help="prefill and decode latency of one static batch")
+    common(p)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.set_defaults(func=cmd_one_batch)
+
+
+def _engine(args: argparse.Namespace):
+    from framework.bench.random_model import make_random_model
+    from framework.config.loader import resolve_config
+    from framework.engine.engine import Engine
+
+    overrides = list(args.overrides)
+    if args.random_model:
+        path = make_random_model(args.random_model, tempfile.gettempdir() + "/plugserve-bench-models")
+        overrides.insert(0, f"model.path={path}")
+    elif args.model_path:
+        overrides.insert(0, f"model.path={args.model_path}")
+    cfg = resolve_config(args.config, overrides)
+    return Engine(cfg, progress=False), cfg
+
+
+def _record(args: argparse.Namespace, kind: str, engine: Any, result: dict) -> int:
+    from framework.bench.offline import append_result, environment
+
+    record = {"kind": kind, "tag": args.tag, "model": engine.runner.describe(),
+              "overrides": list(args.overrides), **environment(), **result}
+    append_result(args.output, record)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from framework.bench import datasets
+    from framework.bench.offline import run_offline, run_single_decode
+
+    engine, _ = _engine(args)
+    vocab = engine.runner.vocab_size
+    if args.dataset == "random":
+        reqs = datasets.random_dataset(args.num_prompts, args.input_len, args.output_len, vocab, args.range_ratio)
+    elif args.dataset == "generated-shared-prefix":
+        reqs = datasets.shared_prefix_dataset(args.gsp_groups, args.gsp_prompts_per_group, args.gsp_system_len,
+                                              args.gsp_question_len, args.output_len, vocab)
+    else:
+        if not args.dataset_path:
+            raise SystemExit("--dataset jsonl needs --dataset-path")
+        reqs = datasets.jsonl_dataset(args.dataset_path, engine.tokenizer, args.output_len, args.num_prompts)
+    result = {"dataset": args.dataset, **run_offline(engine, reqs)}
+    if args.single_decode:
+        result.update(run_single_decode(engine, reqs[0]))
+    return _record(args, "offline", engine, result)
+
+
+def cmd_one_batch(args: argparse.Namespace) -> int:
+    from framework.bench.offline import run_one_batch
+
+    engine, _ = _engine(args)
+    rows = [run_one_batch(engine, bs, args.input_len, args.decode_steps, engine.runner.vocab_size)
+            for bs in args.batch_size]
+    return _record(args, "one-batch", engine, {"batches": rows})

@@ -1,0 +1,132 @@
+"""SGLang's native ``POST /generate``: text or token ids, one or a batch, JSON or SSE.
+
+The response of one prompt is ``{"text", "output_ids", "meta_info"}`` (a list for a batch, or for
+``n > 1``), exactly what the in-process ``Engine.generate`` returns. Streamed events carry the text
+and ids so far (SGLang's default: clients print ``text[len(previous):]``), plus ``index`` in a
+batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from framework.engine.request_state import RequestState
+from framework.server.group_response import request_errors, stream_events, wait_all
+from framework.server.http_utils import finite, parse_model, require_bearer, sse
+from framework.server.openai_format import TokenText
+from framework.server.protocol import GenerateRequest
+from framework.server.request_builder import new_rid, require, sub_rids
+from framework.server.state import ServerState
+from framework.server.tokenizer_manager import Event, SubRequest
+
+_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """A per-request field given once (applies to all) or as a list of one value per prompt."""
+    if isinstance(value, list):
+        require(len(value) == count, f"{name} has {len(value)} entries for {count} prompts", name)
+        return value
+    return [value] * count
+
+
+async def _prompts(server: ServerState, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+    require((body.text is None) != (body.input_ids is None), "give exactly one of text and input_ids", "text")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        require(len(texts) > 0, "text must not be an empty list", "text")
+        return [await server.builder.tokenize(t) for t in texts], isinstance(body.text, str)
+    ids = body.input_ids or []
+    single = not ids or isinstance(ids[0], int)
+    prompts = [list(ids)] if single else [list(p) for p in ids]  # type: ignore[arg-type]
+    require(len(prompts) > 0, "input_ids must not be an empty list", "input_ids")
+    return prompts, single
+
+
+async def generate(request: Request) -> Response:
+    """``POST /generate``."""
+    server: ServerState = request.app.state.server
+    require_bearer(request, server.api_key)
+    body = await parse_model(request, GenerateRequest, server.max_body)
+    prompts, single = await _prompts(server, body)
+    count = len(prompts)
+    sampling = _per_prompt(body.sampling_params or {}, count, "sampling_params")
+    want_lp = _per_prompt(body.return_logprob, count, "return_logprob")
+    top_nums = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
+    starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
+    user_rids = _per_prompt(body.rid, count, "rid") if isinstance(body.rid, list) else None
+    group_rid = body.rid if isinstance(body.rid, str) else new_rid()
+
+    plans = []
+    for i, ids in enumerate(prompts):
+        server.builder.check_ids(ids, "input_ids" if body.input_ids is not None else "text")
+        params = server.builder.sampling_params(sampling[i])
+        server.builder.check_length(ids, params, "input_ids" if body.input_ids is not None else "text",
+                                    "max_new_tokens")
+        server.builder.check_top_logprobs(top_nums[i], "top_logprobs_num")
+        require(starts[i] >= -1, "logprob_start_len must be >= -1", "logprob_start_len")
+        plans.append((ids, params))
+    total = sum(p.n for _, p in plans)
+    rids = sub_rids(group_rid, total)
+    subs: list[SubRequest] = []
+    for i, (ids, params) in enumerate(plans):
+        mine = rids[len(subs):len(subs) + params.n]
+        if user_rids is not None:
+            mine = sub_rids(user_rids[i], params.n)
+        subs += server.builder.expand(mine, ids, params, return_logprob=bool(want_lp[i]),
+                                      top_logprobs_num=top_nums[i], logprob_start_len=starts[i])
+    group = await server.manager.submit(group_rid, subs)
+    text_of = server.token_text if body.return_text_in_logprobs else None
+    batch = not (single and len(subs) == 1)
+
+    if body.stream:
+        # Events may queue up while the client reads; each renders the state as it is now, so
+        # an event that adds nothing since the last one sent is skipped.
+        sent = [(-1, False)] * len(group.states)
+
+        def render(ev: Event) -> list[str]:
+            st = group.states[ev.index]
+            now = (len(st.output_ids), st.finished)
+            if now == sent[ev.index]:
+                return []
+            sent[ev.index] = now
+            out = _result(st, text_of)
+            if batch:
+                out["index"] = ev.index
+            return [sse(out)]
+
+        return await stream_events(request, server.manager, group, render, lambda: [])
+
+    await wait_all(request, server.manager, group)
+    request_errors(group)
+    results = [_result(st, text_of) for st in group.states]
+    return JSONResponse(results if batch else results[0])
+
+
+def _result(state: RequestState, text_of: TokenText | None) -> dict[str, Any]:
+    """The SGLang result, with JSON-safe logprobs (and token texts when asked)."""
+    result = state.result()
+    meta = result["meta_info"]
+    for key in _LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = _clean(meta[key], text_of)
+    return result
+
+
+def _clean(value: Any, text_of: TokenText | None) -> Any:
+    """[logprob, token_id] pairs with -inf replaced and, optionally, the token text appended."""
+    if isinstance(value, list) and len(value) == 2 and isinstance(value[1], int) and not isinstance(value[0], list):
+        pair = [finite(value[0]), value[1]]
+        return pair + [text_of(value[1])] if text_of is not None else pair
+    if isinstance(value, list):
+        return [_clean(v, text_of) for v in value]
+    if isinstance(value, float):
+        return finite(value)
+    return value
+
+
+ROUTES = [Route("/generate", generate, methods=["POST"])]

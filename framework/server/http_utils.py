@@ -1,0 +1,167 @@
+"""Request plumbing shared by the routes: body limit, JSON parsing, auth, SSE, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from framework.server.errors import APIError, bad_request, from_validation_error
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+LOGPROB_FLOOR = -9999.0
+"""JSON has no -Infinity: a logprob of -inf (a token with zero probability) is sent as this,
+the value vLLM uses for the same purpose."""
+
+
+# -- bodies --------------------------------------------------------------------------------------
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the body") from None
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                    code="request_too_large")
+
+
+async def parse_model(request: Request, model: type[M], limit: int) -> M:
+    """Read, parse and validate a JSON body into ``model`` (400 with the offending field)."""
+    body = await read_body(request, limit)
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+# -- auth ----------------------------------------------------------------------------------------
+
+
+def require_bearer(request: Request, key: str | None) -> None:
+    """401 unless the request carries ``Authorization: Bearer <key>`` (no-op when key is None)."""
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    # compare_digest: the time taken must not reveal how much of a guessed key was right.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(
+            401,
+            "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+# -- JSON helpers --------------------------------------------------------------------------------
+
+
+def finite(value: float | None) -> float | None:
+    if value is None:
+        return None
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def sse(data: Any) -> str:
+    """One server-sent event carrying ``data`` as JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# -- streaming and disconnects -------------------------------------------------------------------
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always runs ``on_close`` when it ends.
+
+    The body runs next to a task that listens for the client's disconnect, whatever ASGI spec
+    version the server speaks, so a client that goes away cancels the body at once; ``on_close``
+    (which aborts unfinished requests and frees their KV) runs on every path out.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def body() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the connection broke while sending
+                        pass
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(body)
+                tg.start_soon(watch)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect: Callable[[], Awaitable[None]]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it, run ``on_disconnect`` and
+    raise :class:`APIError` (the response goes nowhere, but the handler must end)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself was cancelled (server shutdown)
+        task.cancel()
+        await on_disconnect()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await on_disconnect()
+    raise APIError(499, "the client closed the connection", type="invalid_request_error")

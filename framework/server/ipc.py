@@ -1,0 +1,122 @@
+"""Messages between the HTTP process and the scheduler process, and their msgpack codec.
+
+Both directions use one PUSH/PULL pair of pyzmq sockets each, bound by the HTTP process on
+``ipc://`` paths inside a private run directory and connected by the scheduler process. Every
+message is a tagged msgspec struct encoded as msgpack: compact, fast, and safe to decode (no
+pickle), so a message can never run code in the receiving process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from framework.scheduler.outputs import RequestOutput
+
+# -- HTTP process -> scheduler process ----------------------------------------------------------
+
+
+class GenerateReq(msgspec.Struct, tag="generate"):
+    """One scheduler request (n == 1): token ids and plain-dict sampling parameters."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+
+
+class GenerateBatch(msgspec.Struct, tag="generate_batch"):
+    """All the scheduler requests of one HTTP request (a batch, or ``n`` choices).
+
+    They travel together so the scheduler admits or refuses them in one go: a request whose
+    siblings were refused is withdrawn instead of half-running.
+    """
+
+    reqs: list[GenerateReq]
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    """Abort requests by id (their KV is released at once)."""
+
+    rids: list[str]
+
+
+class Control(msgspec.Struct, tag="control"):
+    """A control call answered by a :class:`ControlReply` with the same ``call_id``.
+
+    ``kind`` is one of :data:`CONTROL_KINDS`.
+    """
+
+    call_id: int
+    kind: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    """Stop the scheduler loop and exit."""
+
+
+CONTROL_KINDS = ("flush_cache", "get_load", "server_info")
+
+ToScheduler = GenerateBatch | Abort | Control | Shutdown
+
+# -- scheduler process -> HTTP process ----------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    """The model is loaded; ``info`` is what /model_info reports (context length, vocab, ...)."""
+
+    info: dict[str, Any]
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed"):
+    """The scheduler process could not start (bad config, missing model, ...)."""
+
+    message: str
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    """Output deltas of one scheduler step, with the scheduler's load after it (for /metrics)."""
+
+    outputs: list[RequestOutput]
+    load: dict[str, Any]
+
+
+class Rejected(msgspec.Struct, tag="rejected"):
+    """A :class:`GenerateBatch` refused at admission; none of its requests runs.
+
+    ``status`` is the HTTP status the client gets: 400 (AdmissionError) or 503 (queue full).
+    """
+
+    rids: list[str]
+    message: str
+    status: int
+
+
+class ControlReply(msgspec.Struct, tag="control_reply"):
+    """The answer to a :class:`Control` call."""
+
+    call_id: int
+    ok: bool
+    data: dict[str, Any]
+
+
+FromScheduler = Ready | StartupFailed | Outputs | Rejected | ControlReply
+
+_encoder = msgspec.msgpack.Encoder()
+_to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
+_from_scheduler = msgspec.msgpack.Decoder(FromScheduler)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_scheduler(data: bytes) -> ToScheduler:
+    return _to_scheduler.decode(data)
+
+
+def decode_from_scheduler(data: bytes) -> FromScheduler:
+    return _from_scheduler.decode(data)

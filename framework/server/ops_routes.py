@@ -1,0 +1,159 @@
+"""Operations routes: health, model and server info, load, cache flush, abort, OpenAPI schema.
+
+``/health`` and ``/openapi.json`` are open (probes and tooling); the info routes and
+``/health_generate`` need ``server.api_key`` when one is set; ``/flush_cache`` and
+``/abort_request`` need ``server.admin_key`` (falling back to ``api_key``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import framework
+from framework.sampling.params import SamplingParams
+from framework.server.errors import APIError
+from framework.server.http_utils import parse_model, require_bearer
+from framework.server.protocol import REQUEST_MODELS, AbortRequest
+from framework.server.request_builder import new_rid
+from framework.server.state import ServerState
+from framework.server.tokenizer_manager import SubRequest
+
+CONTROL_TIMEOUT_S = 10.0
+"""How long an ops route waits for the scheduler's answer (it answers between two steps)."""
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def health(request: Request) -> Response:
+    """200 while the scheduler process is alive; 503 from the moment it dies."""
+    server = _server(request)
+    if server.manager.dead is not None:
+        return APIError(503, f"the scheduler process is not running ({server.manager.dead})",
+                        code="scheduler_dead").response()
+    return JSONResponse({"status": "ok"})
+
+
+async def health_generate(request: Request) -> Response:
+    """Generate one token end to end (tokenizer manager, IPC, scheduler, model)."""
+    server = _server(request)
+    require_bearer(request, server.api_key)
+    rid = f"health-{new_rid()}"
+    first = int((server.model_info.get("eos_token_ids") or [0])[0])
+    sub = SubRequest(rid=rid, input_ids=[first], params=SamplingParams(max_new_tokens=1, temperature=0.0))
+    group = await server.manager.submit(rid, [sub])
+    timeout = server.settings.server.health_check_timeout_s
+    try:
+        await asyncio.wait_for(group.wait(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(503, f"health check: no token within {timeout:g}s", code="unhealthy") from None
+    finally:
+        await server.manager.close_group(group)
+    if group.states[0].error or not group.states[0].output_ids:
+        raise APIError(503, f"health check failed: {group.states[0].error}", code="unhealthy")
+    return JSONResponse({"status": "ok"})
+
+
+async def model_info(request: Request) -> Response:
+    server = _server(request)
+    require_bearer(request, server.api_key)
+    info = {**server.model_info, "served_model_name": server.model_name, "is_generation": True,
+            "tokenizer_path": server.settings.model.tokenizer_path or server.model_info.get("model_path")}
+    return JSONResponse(info)
+
+
+async def server_info(request: Request) -> Response:
+    """Config (keys redacted), model, load and the scheduler's KV leak report."""
+    server = _server(request)
+    require_bearer(request, server.api_key)
+    ok, data = await server.manager.control("server_info", CONTROL_TIMEOUT_S)
+    if not ok:
+        raise APIError(503, f"the scheduler could not report: {data.get('error')}")
+    body: dict[str, Any] = {
+        "version": framework.__version__,
+        "pid": os.getpid(),
+        "served_model_name": server.model_name,
+        "active_requests": server.manager.num_active(),
+        "config": server.public_config(),
+        **data,
+    }
+    return JSONResponse(body)
+
+
+async def get_load(request: Request) -> Response:
+    server = _server(request)
+    require_bearer(request, server.api_key)
+    ok, data = await server.manager.control("get_load", CONTROL_TIMEOUT_S)
+    if not ok:
+        raise APIError(503, f"the scheduler could not report: {data.get('error')}")
+    server.metrics.update_load(data)
+    return JSONResponse(data)
+
+
+async def flush_cache(request: Request) -> Response:
+    """Drop the prefix cache; refused (409) while requests run or wait."""
+    server = _server(request)
+    require_bearer(request, server.admin_key)
+    ok, _ = await server.manager.control("flush_cache", CONTROL_TIMEOUT_S)
+    if not ok:
+        raise APIError(409, "the cache can only be flushed while no request runs or waits", code="busy")
+    return JSONResponse({"success": True, "message": "the prefix cache was flushed"})
+
+
+async def abort_request(request: Request) -> Response:
+    """Abort a request by ``rid`` (or all with ``abort_all``); its client gets finish reason abort."""
+    server = _server(request)
+    require_bearer(request, server.admin_key)
+    body = await parse_model(request, AbortRequest, server.max_body)
+    if body.rid is None and not body.abort_all:
+        raise APIError(400, "give rid or abort_all", param="rid")
+    aborted = await server.manager.abort(body.rid, body.abort_all)
+    return JSONResponse({"success": bool(aborted), "aborted": aborted})
+
+
+def openapi_schema() -> dict[str, Any]:
+    """OpenAPI 3.1 document of the POST bodies, built from the pydantic request models."""
+    _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS.values()],
+                                 ref_template="#/components/schemas/{model}")
+    paths: dict[str, Any] = {}
+    for path, model in REQUEST_MODELS.items():
+        paths[path] = {"post": {
+            "summary": (model.__doc__ or "").strip().splitlines()[0],
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "responses": {"200": {"description": "OK"}, "400": {"description": "invalid request (OpenAI error)"}},
+        }}
+    for path in ("/health", "/health_generate", "/model_info", "/server_info", "/get_load", "/v1/models",
+                 "/metrics"):
+        paths[path] = {"get": {"responses": {"200": {"description": "OK"}}}}
+    paths["/flush_cache"] = {"post": {"responses": {"200": {"description": "OK"}, "409": {"description": "busy"}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "plugserve", "version": framework.__version__},
+        "paths": paths,
+        "components": {"schemas": defs.get("$defs", {})},
+    }
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_schema())
+
+
+ROUTES = [
+    Route("/health", health, methods=["GET"]),
+    Route("/health_generate", health_generate, methods=["GET"]),
+    Route("/model_info", model_info, methods=["GET"]),
+    Route("/server_info", server_info, methods=["GET"]),
+    Route("/get_load", get_load, methods=["GET"]),
+    Route("/flush_cache", flush_cache, methods=["POST"]),
+    Route("/abort_request", abort_request, methods=["POST"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
+]

@@ -1,0 +1,155 @@
+"""Request bodies of the HTTP API as pydantic models (they also generate /openapi.json).
+
+The OpenAI models forbid unknown fields and are strict about types, as OpenAI is: a typo such as
+``max_token`` is a 400 naming the field, not a silently ignored setting. Fields OpenAI accepts but
+plugserve does not implement (tools, logit_bias, ...) are declared, so that setting them gets a
+clear "not supported" instead of "unrecognized". SGLang's extras (``top_k``, ``min_p``, ``rid``,
+...) are accepted on both OpenAI routes, as SGLang and vLLM accept them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Stop = str | list[str] | None
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool | None = None
+    """Send a last chunk with the usage of the whole request (its ``choices`` is empty)."""
+    continuous_usage_stats: bool | None = None
+    """vLLM's extension: usage in every chunk."""
+    include_obfuscation: bool | None = None
+    """Accepted for compatibility; plugserve never pads chunks."""
+
+
+class SGLangExtras(StrictModel):
+    """Sampling fields beyond OpenAI's that SGLang's OpenAI routes accept."""
+
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    rid: str | None = Field(default=None, description="Request id (for /abort_request); default: random")
+
+    def sglang_sampling(self) -> dict[str, Any]:
+        return {
+            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "min_new_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+            "stop_token_ids": self.stop_token_ids, "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+        }
+
+
+class OpenAISampling(SGLangExtras):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature, "top_p": self.top_p, "n": self.n, "stop": self.stop,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "seed": self.seed, **self.sglang_sampling(),
+        }
+
+
+class CompletionRequest(OpenAISampling):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message; fields beyond these pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(OpenAISampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class GenerateRequest(StrictModel):
+    """``POST /generate`` (SGLang's native API): one prompt or a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
+        default=None,
+        description="SamplingParams fields: max_new_tokens, min_new_tokens, temperature, top_p, top_k, "
+        "min_p, repetition_penalty, frequency_penalty, presence_penalty, stop, stop_token_ids, ignore_eos, "
+        "skip_special_tokens, spaces_between_special_tokens, n, seed (one dict, or one per prompt)",
+    )
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: int | list[int] = -1
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+
+
+class AbortRequest(StrictModel):
+    """``POST /abort_request``."""
+
+    rid: str | None = None
+    abort_all: bool = False
+
+
+REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    "/generate": GenerateRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/abort_request": AbortRequest,
+}
+"""The POST routes and their bodies (for /openapi.json)."""

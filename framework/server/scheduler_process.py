@@ -1,0 +1,258 @@
+"""The scheduler process: model runner + scheduler, driven by messages from the HTTP process.
+
+It is started with multiprocessing's ``spawn`` (a fresh interpreter: no inherited locks, CUDA
+state or event loop) and loads plugins itself, like every plugserve process. The loop receives
+requests, aborts and control calls, runs ``scheduler.step()`` while there is work, blocks on the
+socket while idle, and sends each step's output deltas back.
+
+One bad request must not kill the server: admission errors are answered per HTTP request, a
+control call that fails answers ``ok=False``, and a step that raises fails only the requests that
+were in flight (running or being prefilled) while the waiting ones stay queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+import zmq
+
+from framework.server import ipc
+
+logger = logging.getLogger("plugserve.scheduler_process")
+
+PARENT_CHECK_INTERVAL_MS = 1000
+"""While idle, the loop wakes this often to check that the HTTP process is still alive, so the
+scheduler never outlives a parent that was killed with SIGKILL."""
+
+
+class SchedulerLoop:
+    """Owns the scheduler and the two sockets; :meth:`run` returns when told to stop."""
+
+    def __init__(self, scheduler: Any, runner: Any, eos_token_ids: list[int], recv: zmq.Socket,
+                 send: zmq.Socket, parent_pid: int) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.recv = recv
+        self.send = send
+        self.parent_pid = parent_pid
+        self.stopping = False
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self.stopping:
+            self._receive(block=not self.scheduler.has_work())
+            if self.stopping:
+                break
+            if self.scheduler.has_work():
+                outputs = self._step()
+                if outputs:
+                    self.send.send(ipc.encode(ipc.Outputs(outputs=outputs, load=self.load())))
+            if os.getppid() != self.parent_pid:
+                logger.warning("the HTTP process is gone; the scheduler exits")
+                break
+
+    def _receive(self, block: bool) -> None:
+        """Handle every message already queued; while idle, first wait for one."""
+        if block and not self.recv.poll(PARENT_CHECK_INTERVAL_MS):
+            return
+        while not self.stopping:
+            try:
+                data = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(data)
+
+    def _handle(self, data: bytes) -> None:
+        try:
+            msg = ipc.decode_to_scheduler(data)
+        except Exception as exc:  # a malformed message is a bug in the HTTP process, not fatal
+            logger.error("dropping an undecodable message: %s", exc)
+            return
+        if isinstance(msg, ipc.GenerateBatch):
+            self._add(msg)
+        elif isinstance(msg, ipc.Abort):
+            for rid in msg.rids:
+                self.scheduler.abort(rid)
+        elif isinstance(msg, ipc.Control):
+            self._control(msg)
+        elif isinstance(msg, ipc.Shutdown):
+            self.stopping = True
+
+    def _add(self, batch: ipc.GenerateBatch) -> None:
+        from framework.sampling.params import SamplingParams
+        from framework.scheduler.request import Req
+        from framework.scheduler.scheduler import AdmissionError, QueueFullError
+
+        added: list[str] = []
+        try:
+            for g in batch.reqs:
+                req = Req(
+                    rid=g.rid,
+                    input_ids=g.input_ids,
+                    sampling_params=SamplingParams.from_dict(g.sampling_params),
+                    eos_token_ids=self.eos_token_ids,
+                    return_logprob=g.return_logprob,
+                    top_logprobs_num=g.top_logprobs_num,
+                    logprob_start_len=g.logprob_start_len,
+                )
+                self.scheduler.add_request(req)
+                added.append(g.rid)
+            return
+        except QueueFullError as exc:
+            status, message = 503, str(exc)
+        except (AdmissionError, ValueError, TypeError) as exc:
+            status, message = 400, str(exc)
+        except Exception as exc:  # never let one request take the loop down
+            logger.exception("admitting a request failed")
+            status, message = 400, f"the request could not be admitted: {exc}"
+        for rid in added:  # all or nothing: withdraw the siblings admitted before the failure
+            self.scheduler.abort(rid)
+        rids = [g.rid for g in batch.reqs]
+        self.send.send(ipc.encode(ipc.Rejected(rids=rids, message=message, status=status)))
+
+    def _control(self, msg: ipc.Control) -> None:
+        try:
+            ok, data = True, self._control_data(msg.kind)
+        except Exception as exc:
+            logger.exception("control call %s failed", msg.kind)
+            ok, data = False, {"error": f"{type(exc).__name__}: {exc}"}
+        if msg.kind == "flush_cache" and ok:
+            ok = bool(data["flushed"])
+        self.send.send(ipc.encode(ipc.ControlReply(call_id=msg.call_id, ok=ok, data=data)))
+
+    def _control_data(self, kind: str) -> dict[str, Any]:
+        if kind == "flush_cache":
+            return {"flushed": self.scheduler.flush_cache()}
+        if kind == "get_load":
+            return self.load()
+        if kind == "server_info":
+            return {
+                "load": self.load(),
+                "leak_report": self.scheduler.leak_report(),
+                "model": self.runner.describe(),
+                "num_requests": len(self.scheduler.requests),
+                "scheduler_pid": os.getpid(),
+            }
+        raise ValueError(f"unknown control call {kind!r}; known: {', '.join(ipc.CONTROL_KINDS)}")
+
+    # -- one step, isolated ------------------------------------------------------------------
+
+    def _step(self) -> list:
+        try:
+            return self.scheduler.step()
+        except Exception as exc:
+            logger.exception("a scheduler step failed; failing the requests that were in flight")
+            self._fail_in_flight(f"internal error while running the batch: {type(exc).__name__}: {exc}")
+            return []  # the aborts' outputs are pending: the next step() returns them
+
+    def _fail_in_flight(self, message: str) -> None:
+        """Abort every request that had left the waiting queue: the failed batch was among them.
+
+        An abort that raises means the scheduler's state is broken: the process exits (non-zero)
+        and the HTTP process reports the death instead of serving from a corrupt cache.
+        """
+        waiting = {id(r) for r in self.scheduler.waiting}
+        victims = [rid for rid, r in list(self.scheduler.requests.items()) if id(r) not in waiting]
+        for rid in victims:
+            self.scheduler.abort(rid, message=message)
+
+    def load(self) -> dict[str, Any]:
+        s = self.scheduler
+        load = s.load()
+        seen = s.prompt_tokens_seen
+        load["cache_hit_tokens"] = s.cache_hit_tokens
+        load["prompt_tokens_seen"] = seen
+        load["prefix_cache_hit_rate"] = s.cache_hit_tokens / seen if seen else 0.0
+        return load
+
+
+def _build(config_path: str) -> tuple[Any, Any, list[int], dict[str, Any]]:
+    """Resolve the config (plugins load here, in this process), build runner and scheduler."""
+    from transformers import AutoTokenizer
+
+    from framework.config.loader import resolve_config, to_settings
+    from framework.engine.engine import eos_token_ids
+    from framework.engine.model_runner import ModelRunner
+    from framework.models.loader import load_generation_config
+    from framework.plugins import get_plugins
+    from framework.scheduler.scheduler import Scheduler
+
+    cfg = resolve_config(config_path, preset=None)
+    get_plugins().raise_for_errors()
+    settings = to_settings(cfg)
+    model_cfg = settings.model
+    tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path)
+    runner = ModelRunner(settings, progress=False)
+    scheduler = Scheduler(settings, runner, tokenizer)
+    eos = eos_token_ids(load_generation_config(model_cfg.path), tokenizer)
+    info = {**runner.describe(), "context_length": scheduler.context_len,
+            "max_running_requests": scheduler.max_running, "scheduler_pid": os.getpid(),
+            "eos_token_ids": eos}
+    return scheduler, runner, eos, info
+
+
+def _serve(config_path: str, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> int:
+    """Build, announce readiness (or the start failure), and run the loop; the exit code."""
+    try:
+        scheduler, runner, eos, info = _build(config_path)
+    except Exception as exc:
+        logger.error("scheduler start failed:\n%s", traceback.format_exc())
+        send.send(ipc.encode(ipc.StartupFailed(message=f"{type(exc).__name__}: {exc}")))
+        return 1
+    send.send(ipc.encode(ipc.Ready(info=info)))
+    SchedulerLoop(scheduler, runner, eos, recv, send, parent_pid).run()
+    return 0
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def main(config_path: str, to_scheduler: str, from_scheduler: str, parent_pid: int, log_level: str) -> None:
+    """Entry point of the spawned process (arguments are plain strings: nothing is unpickled
+    beyond them)."""
+    # Ctrl-C in a terminal reaches the whole process group: the HTTP process decides when the
+    # scheduler stops (it sends Shutdown), so the scheduler ignores SIGINT itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    # tqdm (weight loading) otherwise creates a multiprocessing lock: a named semaphore that the
+    # resource tracker reports as leaked after the fast exit below. A thread lock is all we need.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    logging.basicConfig(
+        level=log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s [scheduler] %(levelname)s %(name)s: %(message)s",
+    )
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(to_scheduler)
+    send = ctx.socket(zmq.PUSH)
+    send.setsockopt(zmq.LINGER, 2000)  # let the last replies leave before the process exits
+    send.connect(from_scheduler)
+    code = 0
+    try:
+        code = _serve(config_path, recv, send, parent_pid)
+    except SystemExit:
+        pass
+    except BaseException:
+        logger.critical("the scheduler loop died:\n%s", traceback.format_exc())
+        code = 1
+    finally:
+        recv.close(linger=0)
+        send.close()
+        ctx.term()
+    # Everything is closed and flushed below; skipping the interpreter's teardown (seconds with
+    # torch loaded on a busy machine) lets the HTTP process finish its shutdown sooner.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

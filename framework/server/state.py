@@ -1,0 +1,70 @@
+"""What every route needs, kept on ``app.state.server``."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config.schema import PlugserveConfig
+from framework.server.errors import APIError
+from framework.server.metrics import ServerMetrics
+from framework.server.openai_format import TokenText
+from framework.server.request_builder import RequestBuilder
+from framework.server.tokenizer_manager import TokenizerManager
+
+SECRET_KEYS = ("api_key", "admin_key")
+"""Config fields never echoed back by /server_info."""
+
+
+def served_model_name(settings: PlugserveConfig) -> str:
+    """``model.served_model_name``, else the model directory's name (as vLLM and SGLang do)."""
+    if settings.model.served_model_name:
+        return settings.model.served_model_name
+    return os.path.basename(os.path.normpath(os.fspath(settings.model.path)))
+
+
+@dataclass
+class ServerState:
+    """The resolved config, the tokenizer manager, the request builder and the metrics."""
+
+    cfg: DictConfig
+    settings: PlugserveConfig
+    tokenizer: Any
+    manager: TokenizerManager
+    builder: RequestBuilder
+    metrics: ServerMetrics
+    model_info: dict[str, Any]
+    token_text: TokenText
+    model_name: str
+    started: float = field(default_factory=time.time)
+
+    @property
+    def api_key(self) -> str | None:
+        return self.settings.server.api_key
+
+    @property
+    def admin_key(self) -> str | None:
+        """The key of /flush_cache and /abort_request: admin_key, else api_key."""
+        return self.settings.server.admin_key or self.settings.server.api_key
+
+    @property
+    def max_body(self) -> int:
+        return self.settings.server.max_body_bytes
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+    def public_config(self) -> dict[str, Any]:
+        """The resolved config with the keys redacted."""
+        data: dict[str, Any] = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)  # type: ignore[assignment]
+        server = data.get("server", {})
+        for key in SECRET_KEYS:
+            if server.get(key) is not None:
+                server[key] = "<redacted>"
+        return data

@@ -1,0 +1,306 @@
+"""The HTTP process's side of the scheduler: send requests, route output deltas, detokenize.
+
+Everything here runs on the asyncio event loop and never waits on the model: requests go out on a
+zmq PUSH socket, and one receive task reads the scheduler's messages and turns each output delta
+into text with a :class:`~framework.engine.request_state.RequestState` (the same class the
+in-process Engine uses, so both produce identical text). The deltas of all the scheduler requests
+that make up one HTTP request (a batch, ``n`` choices) arrive on one :class:`RequestGroup` queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from framework.engine.request_state import RequestState
+from framework.sampling.params import SamplingParams
+from framework.server import ipc
+from framework.server.errors import APIError
+from framework.server.metrics import ServerMetrics
+
+logger = logging.getLogger("plugserve.server")
+
+QUEUE_FULL_RETRY_AFTER_S = 1
+"""Retry-After (seconds) sent with a 503 when the scheduler's waiting queue is full."""
+LOAD_REFRESH_TIMEOUT_S = 2.0
+"""/metrics waits this long for fresh scheduler gauges before rendering the last known ones."""
+
+
+class SchedulerStartError(RuntimeError):
+    """The scheduler process reported that it could not start."""
+
+
+@dataclass
+class SubRequest:
+    """One scheduler request (n == 1) of an HTTP request."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+
+    def to_ipc(self) -> ipc.GenerateReq:
+        return ipc.GenerateReq(
+            rid=self.rid, input_ids=self.input_ids, sampling_params=self.params.to_dict(),
+            return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
+            logprob_start_len=self.logprob_start_len,
+        )
+
+
+@dataclass
+class Event:
+    """Request ``index`` of a group advanced: ``delta`` is its new text."""
+
+    index: int
+    delta: str
+    finished: bool
+
+
+class RequestGroup:
+    """The scheduler requests of one HTTP request; their events arrive on one queue."""
+
+    def __init__(self, rid: str, subs: list[SubRequest], states: list[RequestState]) -> None:
+        self.rid = rid
+        self.rids = [s.rid for s in subs]
+        self.states = states
+        self.queue: asyncio.Queue[Event | APIError] = asyncio.Queue()
+        self.error: APIError | None = None
+        self.closed = False
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.finished for s in self.states)
+
+    def fail(self, error: APIError) -> None:
+        if self.error is None:
+            self.error = error
+            self.queue.put_nowait(error)
+
+    async def next(self) -> Event:
+        """The next event; raises the group's :class:`APIError` if it failed."""
+        item = await self.queue.get()
+        if isinstance(item, APIError):
+            self.queue.put_nowait(item)  # every later call fails the same way
+            raise item
+        return item
+
+    async def wait(self) -> None:
+        """Until every request finished (raises on failure)."""
+        while not self.finished:
+            await self.next()
+        if self.error is not None:
+            raise self.error
+
+
+class TokenizerManager:
+    """Sends requests to the scheduler process and routes its outputs back to request groups."""
+
+    def __init__(self, tokenizer: Any, metrics: ServerMetrics, to_scheduler: str, from_scheduler: str) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.ctx = zmq.asyncio.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.bind(to_scheduler)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(from_scheduler)
+        self.info: dict[str, Any] = {}
+        self.dead: str | None = None
+        self.last_load: dict[str, Any] = {}
+        self._routes: dict[str, tuple[RequestGroup, int]] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._calls: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
+        self._call_ids = itertools.count()
+        self._recv_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def wait_ready(self) -> dict[str, Any]:
+        """Wait for the scheduler's Ready message; raises SchedulerStartError if it failed."""
+        while True:
+            msg = ipc.decode_from_scheduler(await self.pull.recv())
+            if isinstance(msg, ipc.Ready):
+                self.info = msg.info
+                return msg.info
+            if isinstance(msg, ipc.StartupFailed):
+                raise SchedulerStartError(msg.message)
+
+    def start(self) -> None:
+        self._recv_task = asyncio.get_running_loop().create_task(self._receive_loop())
+
+    async def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+    async def shutdown_scheduler(self) -> None:
+        """Ask the scheduler loop to exit (the launcher escalates if it does not)."""
+        if self.dead is None:
+            await self.push.send(ipc.encode(ipc.Shutdown()))
+
+    def on_scheduler_death(self, reason: str) -> None:
+        """Fail everything in flight at once; /health answers 503 from now on."""
+        self.dead = reason
+        error = APIError(503, f"the scheduler process died ({reason}); the server is shutting down",
+                         code="scheduler_dead")
+        for group in list(self._groups.values()):
+            group.fail(error)
+        self._groups.clear()
+        self._routes.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._calls.clear()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def submit(self, group_rid: str, subs: list[SubRequest]) -> RequestGroup:
+        """Send the scheduler requests of one HTTP request; their deltas arrive on the group."""
+        self._check_alive()
+        for rid in [group_rid, *(s.rid for s in subs)]:
+            if rid in self._groups or rid in self._routes:
+                raise APIError(400, f"request id {rid!r} is already in use", param="rid", code="duplicate_rid")
+        states = [RequestState(s.rid, self.tokenizer, s.input_ids, s.params, s.return_logprob) for s in subs]
+        group = RequestGroup(group_rid, subs, states)
+        self._groups[group_rid] = group
+        for i, s in enumerate(subs):
+            self._routes[s.rid] = (group, i)
+        await self.push.send(ipc.encode(ipc.GenerateBatch(reqs=[s.to_ipc() for s in subs])))
+        return group
+
+    async def close_group(self, group: RequestGroup) -> None:
+        """The client is gone or done: abort what still runs (freeing its KV) and forget it."""
+        if group.closed:
+            return
+        group.closed = True
+        unfinished = [s for s in group.states if not s.finished]
+        self._forget(group)
+        if not unfinished or self.dead is not None:
+            return
+        if group.error is None:  # a failed group was already counted
+            for s in unfinished:
+                self.metrics.finished("abort", s.prompt_tokens, s.completion_tokens, s.cached_tokens,
+                                      s.created, s.first_token_at)
+        # Also for a failed group: aborting an id the scheduler refused or finished is a no-op.
+        await self.push.send(ipc.encode(ipc.Abort(rids=[s.rid for s in unfinished])))
+
+    async def abort(self, rid: str | None, abort_all: bool = False) -> list[str]:
+        """/abort_request: abort by group or scheduler request id (or everything); the clients
+        of those requests still receive their final, aborted, outputs. Returns the aborted ids."""
+        self._check_alive()
+        if abort_all:
+            rids = list(self._routes)
+        elif rid in self._groups:
+            group = self._groups[rid]
+            rids = [s.rid for s in group.states if not s.finished]
+        elif rid in self._routes:
+            rids = [rid]
+        else:
+            rids = []
+        if rids:
+            await self.push.send(ipc.encode(ipc.Abort(rids=rids)))
+        return rids
+
+    async def control(self, kind: str, timeout: float) -> tuple[bool, dict[str, Any]]:
+        """A control call to the scheduler (``flush_cache``, ``get_load``, ``server_info``)."""
+        self._check_alive()
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[tuple[bool, dict[str, Any]]] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        await self.push.send(ipc.encode(ipc.Control(call_id=call_id, kind=kind)))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"the scheduler did not answer {kind} within {timeout:g}s") from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def refresh_load(self) -> None:
+        try:
+            _, load = await self.control("get_load", LOAD_REFRESH_TIMEOUT_S)
+        except APIError:
+            return  # /metrics still renders, with the last known gauges
+        self.last_load = load
+        self.metrics.update_load(load)
+
+    def num_active(self) -> int:
+        return len(self._routes)
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise APIError(503, f"the scheduler process is not running ({self.dead})", code="scheduler_dead")
+
+    def _forget(self, group: RequestGroup) -> None:
+        self._groups.pop(group.rid, None)
+        for rid in group.rids:
+            if self._routes.get(rid, (None,))[0] is group:
+                del self._routes[rid]
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            data = await self.pull.recv()
+            try:
+                self._dispatch(ipc.decode_from_scheduler(data))
+            except Exception:  # one bad message must not stop the delivery of all others
+                logger.exception("failed to handle a message from the scheduler")
+
+    def _dispatch(self, msg: ipc.FromScheduler) -> None:
+        if isinstance(msg, ipc.Outputs):
+            self.last_load = msg.load
+            self.metrics.update_load(msg.load)
+            for out in msg.outputs:
+                self._on_output(out)
+        elif isinstance(msg, ipc.Rejected):
+            self._on_rejected(msg)
+        elif isinstance(msg, ipc.ControlReply):
+            fut = self._calls.get(msg.call_id)
+            if fut is not None and not fut.done():
+                fut.set_result((msg.ok, msg.data))
+
+    def _on_output(self, out: Any) -> None:
+        route = self._routes.get(out.rid)
+        if route is None:
+            return  # an aborted request's last delta, or a rejected sibling
+        group, index = route
+        state = group.states[index]
+        had_first = state.first_token_at is not None
+        try:
+            delta = state.apply(out)
+        except Exception as exc:  # a detokenizer bug fails its own request, which must not hang
+            logger.exception("failed to apply the output of request %s", out.rid)
+            group.fail(APIError(500, f"internal error while detokenizing: {type(exc).__name__}", type="server_error"))
+            return
+        if not had_first and state.first_token_at is not None:
+            self.metrics.first_token(state.first_token_at - state.created)
+        if state.finished:
+            del self._routes[out.rid]
+            reason = (state.finish_reason or {}).get("type", "abort")
+            self.metrics.finished(reason, state.prompt_tokens, state.completion_tokens, state.cached_tokens,
+                                  state.created, state.first_token_at)
+        group.queue.put_nowait(Event(index, delta, state.finished))
+        if group.finished:
+            self._groups.pop(group.rid, None)
+
+    def _on_rejected(self, msg: ipc.Rejected) -> None:
+        route = self._routes.get(msg.rids[0]) if msg.rids else None
+        if route is None:
+            return
+        group = route[0]
+        headers = {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)} if msg.status == 503 else None
+        code = "queue_full" if msg.status == 503 else "invalid_request"
+        self.metrics.rejected()
+        self._forget(group)
+        group.fail(APIError(msg.status, msg.message, headers=headers, code=code))
