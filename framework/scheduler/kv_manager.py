@@ -26,9 +26,8 @@ class KVManager:
         self.req_pool = req_pool
         self.allocator = allocator
         self.page_size = allocator.page_size
-        self.cache: RadixCache | NoPrefixCache = (
-            RadixCache(allocator, allocator.page_size) if radix_enabled else NoPrefixCache(allocator, allocator.page_size)
-        )
+        cache_cls = RadixCache if radix_enabled else NoPrefixCache
+        self.cache: RadixCache | NoPrefixCache = cache_cls(allocator, allocator.page_size)
         self.req_to_token = req_pool.req_to_token
         self._device = self.req_to_token.device
 
