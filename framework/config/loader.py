@@ -8,6 +8,7 @@ accepted, including unknown plugin names (with the installed ones) and the keys 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -196,6 +197,24 @@ def validate_component_slots(cfg: DictConfig) -> None:
         component = registry.get(kind, name, key=name_key)
         validated = validate_options(component, OmegaConf.select(cfg, options_key), options_key)
         OmegaConf.update(cfg, options_key, validated, merge=False)
+    _validate_model(cfg, registry)
+
+
+def _validate_model(cfg: DictConfig, registry: Any) -> None:
+    """Check the model architecture is registered (when the checkpoint is readable) at start,
+    not only once the scheduler process has loaded it."""
+    arch = cfg.model.architecture
+    config_json = Path(str(cfg.model.path)) / "config.json"
+    if arch is None and config_json.is_file():
+        try:
+            arch = (json.loads(config_json.read_text()).get("architectures") or [None])[0]
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.path: cannot read {config_json}: {exc}") from None
+    if arch is None:
+        return  # no checkpoint here (yet): the model loader reports it
+    component = registry.get("model", arch, key="model.architecture")
+    validated = validate_options(component, cfg.model.options, "model.options")
+    OmegaConf.update(cfg, "model.options", validated, merge=False)
 
 
 def to_settings(cfg: DictConfig | PlugserveConfig) -> PlugserveConfig:

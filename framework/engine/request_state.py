@@ -54,6 +54,7 @@ class RequestState:
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.input_logprobs: list[float | None] | None = None
         self.input_top_logprobs: list[Any] | None = None
+        self.prompt_ids = prompt_ids
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -109,7 +110,10 @@ class RequestState:
             if self.output_top_logprobs:
                 meta["output_top_logprobs"] = [[[lp, t] for t, lp in row] for row in self.output_top_logprobs]
             if self.input_logprobs is not None:
-                meta["input_token_logprobs"] = self.input_logprobs
+                # SGLang's shape: [logprob, token_id] per prompt token from logprob_start_len on
+                # (the first prompt token has no logprob: None).
+                ids = self.prompt_ids[len(self.prompt_ids) - len(self.input_logprobs):]
+                meta["input_token_logprobs"] = [[lp, t] for lp, t in zip(self.input_logprobs, ids, strict=True)]
             if self.input_top_logprobs:
                 meta["input_top_logprobs"] = [
                     None if row is None else [[lp, t] for t, lp in row] for row in self.input_top_logprobs

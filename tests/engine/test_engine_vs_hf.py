@@ -175,7 +175,9 @@ def test_prompt_logprobs_match_transformers(cases, make_engine, arch):
     meta = res["meta_info"]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    got = meta["input_token_logprobs"]
+    pairs = meta["input_token_logprobs"]
+    assert [t for _, t in pairs] == prompt  # SGLang's [logprob, token_id] pairs
+    got = [lp for lp, _ in pairs]
     assert got[0] is None and len(got) == len(prompt)
     want = [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
     torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(want), atol=1e-4, rtol=0)
@@ -194,7 +196,7 @@ def test_prompt_logprobs_from_a_start_position_with_cached_prefix(llama, make_en
     prompt = prompts[2]
     eng.generate(prompt, {"temperature": 0.0, "max_new_tokens": 2})  # caches the prompt
     res = eng.generate(prompt, {"temperature": 0.0, "max_new_tokens": 2}, logprob_start_len=10)
-    got = res["meta_info"]["input_token_logprobs"]
+    got = [lp for lp, _ in res["meta_info"]["input_token_logprobs"]]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
     want = [ref[i - 1, prompt[i]].item() for i in range(10, len(prompt))]

@@ -106,3 +106,11 @@ def test_config_show_cli(tmp_path: Path):
     assert proc.returncode == 2
     assert "Did you mean \"chunked_prefill_size\"" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_unknown_model_architecture_fails_at_config_time(tmp_path: Path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT9ForCausalLM"]}')
+    with pytest.raises(ConfigError, match=r"model\.architecture: unknown model 'GPT9ForCausalLM'.*Installed: .*LlamaForCausalLM"):
+        resolve_config(None, [f"model.path={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"model\.architecture: unknown model 'Llama'\. Did you mean"):
+        resolve_config(None, [f"model.path={tmp_path}", "model.architecture=Llama"])

@@ -68,7 +68,7 @@ def test_generate_logprobs(http: httpx.Client) -> None:
     assert all(lp <= 0 and isinstance(text, str) for lp, _, text in out)
     assert all(len(row) == 2 for row in meta["output_top_logprobs"])
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
-    assert meta["input_token_logprobs"][0] is None
+    assert meta["input_token_logprobs"][0][0] is None
 
 
 def test_outputs_equal_the_in_process_engine(http: httpx.Client, oai, tiny_model) -> None:
