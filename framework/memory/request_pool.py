@@ -51,6 +51,35 @@ class RequestPool(ABC):
         return self.num_rows - self.available_size()
 
 
+class TableRequestPool(RequestPool):
+    """A ``req_to_token`` table of ``num_rows`` rows with O(1) alloc/free: the built-in pools'
+    shared body (they differ only in how many rows they hold and what else they track)."""
+
+    def __init__(self, size: int, num_rows: int, max_context_len: int, device: str | torch.device) -> None:
+        if size < 1:
+            raise ValueError(f"pool size must be >= 1, got {size}")
+        if max_context_len < 1:
+            raise ValueError(f"max_context_len must be >= 1, got {max_context_len}")
+        self.size = size
+        self.num_rows = num_rows
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((num_rows, max_context_len), dtype=torch.int32, device=self.device)
+        self._rows = FreeRowList(num_rows)
+
+    def alloc(self, n: int = 1) -> list[int] | None:
+        return self._rows.take(n)
+
+    def free(self, slots: int | Iterable[int]) -> None:
+        self._rows.give_back(slots)
+
+    def available_size(self) -> int:
+        return len(self._rows)
+
+    def clear(self) -> None:
+        self._rows.reset()
+
+
 class FreeRowList:
     """O(1) free-row bookkeeping shared by the built-in pools: a deque plus an in-use bitmap."""
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from framework.memory.request_pool import FreeRowList, RequestPool
+from framework.memory.request_pool import TableRequestPool
 
 
 @dataclass
@@ -44,25 +44,16 @@ def resolve_pre_alloc_size(size: int, options: DecodePreallocOptions) -> int:
     return int(size * options.pre_alloc_ratio)
 
 
-class DecodePreallocRequestPool(RequestPool):
+class DecodePreallocRequestPool(TableRequestPool):
     """``size`` running rows plus ``pre_alloc_size`` rows for requests whose KV is in flight."""
 
     def __init__(
         self, size: int, max_context_len: int, device: str | torch.device, pre_alloc_size: int
     ) -> None:
-        if size < 1:
-            raise ValueError(f"pool size must be >= 1, got {size}")
         if pre_alloc_size < 0:
             raise ValueError(f"pre_alloc_size must be >= 0, got {pre_alloc_size}")
-        self.size = size
+        super().__init__(size, size + pre_alloc_size, max_context_len, device)
         self.pre_alloc_size = pre_alloc_size
-        self.num_rows = size + pre_alloc_size
-        self.max_context_len = max_context_len
-        self.device = torch.device(device)
-        self.req_to_token = torch.zeros(
-            (self.num_rows, max_context_len), dtype=torch.int32, device=self.device
-        )
-        self._rows = FreeRowList(self.num_rows)
         self._running: set[int] = set()
 
     @classmethod
@@ -78,18 +69,15 @@ class DecodePreallocRequestPool(RequestPool):
 
     def alloc(self, n: int = 1) -> list[int] | None:
         """Reserve rows (running or pre-allocated alike); ``None`` if fewer than ``n`` are free."""
-        return self._rows.take(n)
+        return super().alloc(n)
 
     def free(self, slots: int | Iterable[int]) -> None:
         rows = [slots] if isinstance(slots, int) else list(slots)
-        self._rows.give_back(rows)
+        super().free(rows)
         self._running.difference_update(rows)
 
-    def available_size(self) -> int:
-        return len(self._rows)
-
     def clear(self) -> None:
-        self._rows.reset()
+        super().clear()
         self._running.clear()
 
     # -- the running cap ------------------------------------------------------------------
