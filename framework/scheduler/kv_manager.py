@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from framework.memory.kv_allocator import PagedKVAllocator
-from framework.memory.radix_cache import MatchResult, NoPrefixCache, RadixCache
+from framework.memory.no_prefix_cache import NoPrefixCache
+from framework.memory.radix_cache import MatchResult, RadixCache
 from framework.memory.request_pool import RequestPool
 from framework.scheduler.request import Req
 

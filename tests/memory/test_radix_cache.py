@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from framework.memory.kv_allocator import PagedKVAllocator
-from framework.memory.radix_cache import NoPrefixCache, RadixCache, TreeNode
+from framework.memory.no_prefix_cache import NoPrefixCache
+from framework.memory.radix_cache import RadixCache, TreeNode
 
 
 def make(page_size: int, num_pages: int = 64) -> tuple[PagedKVAllocator, RadixCache]:
