@@ -39,6 +39,14 @@ def example_plugin_installed() -> None:
         )
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a locally trained tokenizer (shared by the server-level tests)."""
+    from framework.testing.tiny_models import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "tiny-llama")
+
+
 @pytest.fixture
 def plugins() -> PluginSet:
     return get_plugins()

@@ -21,8 +21,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from framework.testing.tiny_models import save_tiny_model
-
 PLUGSERVE = str(Path(sys.executable).with_name("plugserve"))
 START_TIMEOUT_S = 240.0
 """Two interpreters importing torch on a busy 2-core machine can take a minute."""
@@ -136,11 +134,6 @@ def assert_no_leak(server: Server) -> None:
     assert report["free"] + report["evictable"] + report["protected"] == report["total"], report
     assert report["held_by_requests"] == 0 and report["leaked"] == 0, report
     assert report["req_slots_free"] == report["req_slots_total"], report
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "tiny-llama")
 
 
 def engine_overrides(model: Path) -> list[str]:
