@@ -45,6 +45,21 @@ def add_bench_commands(sub: Any) -> None:
     p.add_argument("--decode-steps", type=int, default=32)
     p.set_defaults(func=cmd_one_batch)
 
+    # Commands defined in their own modules (imports stay light: argparse only until run).
+    from framework.bench.compare import add_compare_command
+    from framework.bench.plot import add_plot_command
+    from framework.bench.serving import add_serve_command
+
+    add_serve_command(bench_sub, output_args)
+    add_plot_command(bench_sub)
+    add_compare_command(bench_sub, common)
+
+
+def output_args(p: argparse.ArgumentParser) -> None:
+    """--output and --tag, for commands that do not load a model themselves."""
+    p.add_argument("--output", default=DEFAULT_RESULTS, help="JSONL file results are appended to")
+    p.add_argument("--tag", default="", help="free-form label stored with the result")
+
 
 def _engine(args: argparse.Namespace):
     from framework.bench.random_model import make_random_model

@@ -25,8 +25,12 @@ def _warm_up(engine: Any) -> None:
     engine.flush_cache()  # the warm-up prompt must not give the workload cache hits
 
 
-def run_offline(engine: Any, requests: list[BenchRequest], warmup: bool = True) -> dict[str, Any]:
-    """Submit every request at once and run them to completion; report throughputs."""
+def run_offline(engine: Any, requests: list[BenchRequest], warmup: bool = True,
+                outputs: list[list[int]] | None = None) -> dict[str, Any]:
+    """Submit every request at once and run them to completion; report throughputs.
+
+    ``outputs``, when given, receives each request's output ids (``bench compare`` checks them
+    against the peers' greedy tokens)."""
     if warmup:  # first calls pay for lazy initialisation in torch: keep them out of the timing
         _warm_up(engine)
     start = time.perf_counter()
@@ -34,6 +38,8 @@ def run_offline(engine: Any, requests: list[BenchRequest], warmup: bool = True) 
     engine.run_until_done(rids)
     elapsed = time.perf_counter() - start
     states = [engine._states.pop(r) for r in rids]
+    if outputs is not None:
+        outputs.extend(list(s.output_ids) for s in states)
     out_tokens = sum(len(s.output_ids) for s in states)
     in_tokens = sum(len(r.input_ids) for r in requests)
     cached = sum(s.cached_tokens for s in states)

@@ -1,0 +1,276 @@
+"""``plugserve bench serve``: an asyncio client that streams a workload from a running server.
+
+Backends: ``plugserve`` streams SGLang's native ``POST /generate`` (so it also measures an SGLang
+server), ``openai`` streams ``POST /v1/completions`` of any OpenAI-compatible server (vLLM,
+SGLang, llama.cpp's server, plugserve), prompts sent as token id lists or as text. Token counts
+come from the server (``meta_info`` / ``usage``), never from re-tokenising on the client, because
+the client's tokenizer may differ from the server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from framework.bench.serving_metrics import RequestOutput, format_summary, summarize
+
+if TYPE_CHECKING:  # httpx is imported where used: the CLI imports this module to build its parser
+    import httpx
+
+    from framework.bench.datasets import BenchRequest
+
+TIMEOUT_S = 6 * 3600.0
+"""A whole benchmark request may queue for a long time behind others; only a dead server fails it."""
+
+
+def add_serve_command(bench_sub: Any, common_output: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``bench serve`` (called from framework/bench/cli.py)."""
+    p = bench_sub.add_parser("serve", help="stream a workload from a running server (online serving benchmark)")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000")
+    p.add_argument("--backend", choices=["plugserve", "openai"], default="plugserve",
+                   help="plugserve: POST /generate (also SGLang); openai: POST /v1/completions")
+    p.add_argument("--model", help="model name for /v1/completions (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the server's /model_info tokenizer_path)")
+    p.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                   help="openai backend: send prompts as token id lists or as decoded text")
+    p.add_argument("--api-key", help="sent as a Bearer token")
+    p.add_argument("--admin-key", help="if given, POST /flush_cache after the warm-up (so it gives no cache hits)")
+    add_dataset_args(p)
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    p.add_argument("--warmup", type=int, default=1, help="requests sent (and not measured) before the run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--disable-tqdm", action="store_true")
+    common_output(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    """The workload arguments ``bench offline`` also takes (same names and defaults)."""
+    p.add_argument("--dataset", choices=["random", "generated-shared-prefix", "jsonl"], default="random")
+    p.add_argument("--dataset-path", help="JSONL file for --dataset jsonl")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=1.0)
+    p.add_argument("--gsp-groups", type=int, default=8)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-len", type=int, default=1024)
+    p.add_argument("--gsp-question-len", type=int, default=64)
+
+
+def _sse_payloads(line: str) -> Any | None:
+    """The JSON of one ``data:`` line, None for keep-alives, blank lines and ``[DONE]``."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return None if data in ("", "[DONE]") else json.loads(data)
+
+
+async def send_generate(client: httpx.AsyncClient, req: BenchRequest, headers: dict[str, str]) -> RequestOutput:
+    """Stream one request from ``/generate``; every event carries all output ids so far."""
+    import httpx
+
+    out = RequestOutput(prompt_tokens=len(req.input_ids))
+    body = {"input_ids": req.input_ids, "stream": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": req.output_len, "ignore_eos": True}}
+    start = last = time.perf_counter()
+    seen = 0
+    try:
+        async with client.stream("POST", "/generate", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                return out
+            async for line in resp.aiter_lines():
+                event = _sse_payloads(line)
+                if event is None:
+                    continue
+                if "error" in event:
+                    out.error = json.dumps(event["error"])[:300]
+                    return out
+                now = time.perf_counter()
+                n = len(event.get("output_ids") or [])
+                if n > seen:  # an event may repeat the state (e.g. only finish_reason changed)
+                    if seen == 0:
+                        out.ttft = now - start
+                    else:
+                        out.itl.append(now - last)
+                    seen, last = n, now
+                meta = event.get("meta_info") or {}
+                out.prompt_tokens = int(meta.get("prompt_tokens", out.prompt_tokens))
+                out.output_tokens = int(meta.get("completion_tokens", n))
+        out.latency = time.perf_counter() - start
+        out.success = out.output_tokens > 0
+        if not out.success:
+            out.error = "no output tokens"
+    except (httpx.HTTPError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def send_completion(client: httpx.AsyncClient, req: BenchRequest, headers: dict[str, str], model: str,
+                          prompt: str | list[int]) -> RequestOutput:
+    """Stream one request from ``/v1/completions``, usage from the final chunk (``include_usage``)."""
+    import httpx
+
+    out = RequestOutput(prompt_tokens=len(req.input_ids))
+    # ignore_eos is an SGLang / vLLM extension: without it a random model may stop early and the
+    # workload would not be the same from one server to the next.
+    body = {"model": model, "prompt": prompt, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    chunks = 0
+    usage: dict[str, Any] = {}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                return out
+            async for line in resp.aiter_lines():
+                chunk = _sse_payloads(line)
+                if chunk is None:
+                    continue
+                if "error" in chunk:
+                    out.error = json.dumps(chunk["error"])[:300]
+                    return out
+                usage = chunk.get("usage") or usage
+                if any(c.get("text") for c in chunk.get("choices") or []):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        out.ttft = now - start
+                    else:
+                        out.itl.append(now - last)
+                    chunks, last = chunks + 1, now
+        out.latency = time.perf_counter() - start
+        out.prompt_tokens = int(usage.get("prompt_tokens", out.prompt_tokens))
+        out.output_tokens = int(usage.get("completion_tokens", chunks))  # chunks: servers without usage
+        out.success = out.output_tokens > 0 and chunks > 0
+        if not out.success:
+            out.error = "no output text streamed"
+    except (httpx.HTTPError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def run_workload(base_url: str, requests: list[BenchRequest], backend: str = "plugserve", *,
+                       request_rate: float = math.inf, max_concurrency: int | None = None, warmup: int = 1,
+                       model: str | None = None, prompts: list[str | list[int]] | None = None,
+                       api_key: str | None = None, admin_key: str | None = None, seed: int = 0,
+                       progress: bool = True) -> tuple[list[RequestOutput], float]:
+    """Send the warm-up, then every request (Poisson arrivals, bounded concurrency); return the
+    outputs in request order and the wall time of the measured part."""
+    import httpx
+    from tqdm.asyncio import tqdm
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    prompts = prompts if prompts is not None else [r.input_ids for r in requests]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, timeout=TIMEOUT_S, limits=limits) as client:
+        if backend == "openai" and model is None:
+            resp = await client.get("/v1/models", headers=headers)
+            resp.raise_for_status()
+            model = resp.json()["data"][0]["id"]
+
+        async def one(i: int) -> RequestOutput:
+            if backend == "openai":
+                return await send_completion(client, requests[i], headers, model or "", prompts[i])
+            return await send_generate(client, requests[i], headers)
+
+        if warmup > 0 and requests:  # first requests pay for lazy initialisation on the server: keep them out
+            warm = await asyncio.gather(*(one(i % len(requests)) for i in range(warmup)))
+            failed = [w.error for w in warm if not w.success]
+            if failed:  # the run would fail the same way: stop before measuring nothing
+                raise SystemExit(f"bench serve: the warm-up request failed: {failed[0]}")
+            if admin_key:  # the warm-up prompts are workload prompts: drop their cached prefixes
+                resp = await client.post("/flush_cache", headers={"Authorization": f"Bearer {admin_key}"})
+                if resp.status_code != 200:
+                    print(f"warning: /flush_cache answered {resp.status_code}: the run may get cache hits")
+
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        bar = tqdm(total=len(requests), disable=not progress, desc="bench serve")
+
+        async def limited(i: int) -> RequestOutput:
+            if sem is None:
+                result = await one(i)
+            else:
+                async with sem:
+                    result = await one(i)
+            bar.update(1)
+            return result
+
+        rng = random.Random(seed)
+        tasks = []
+        start = time.perf_counter()
+        for i in range(len(requests)):
+            tasks.append(asyncio.create_task(limited(i)))
+            if request_rate != math.inf and i + 1 < len(requests):
+                await asyncio.sleep(rng.expovariate(request_rate))  # Poisson process: exponential gaps
+        outputs = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+    return list(outputs), duration
+
+
+def _tokenizer(args: argparse.Namespace) -> Any:
+    """--tokenizer, else the path the server reports in /model_info (a server on this machine)."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    path = args.tokenizer
+    if path is None:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        try:
+            info = httpx.get(f"{args.base_url}/model_info", headers=headers, timeout=30).json()
+            path = info.get("tokenizer_path") or info.get("model_path")
+        except (httpx.HTTPError, ValueError) as exc:
+            raise SystemExit(f"cannot read the server's /model_info ({exc}): pass --tokenizer") from exc
+        if not path:
+            raise SystemExit("the server did not report a tokenizer path: pass --tokenizer")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
+    """The workload the dataset arguments describe (shared with ``bench compare``)."""
+    from framework.bench import datasets
+
+    vocab = len(tokenizer)
+    if args.dataset == "random":
+        return datasets.random_dataset(args.num_prompts, args.input_len, args.output_len, vocab, args.range_ratio)
+    if args.dataset == "generated-shared-prefix":
+        return datasets.shared_prefix_dataset(args.gsp_groups, args.gsp_prompts_per_group, args.gsp_system_len,
+                                              args.gsp_question_len, args.output_len, vocab)
+    if not args.dataset_path:
+        raise SystemExit("--dataset jsonl needs --dataset-path")
+    return datasets.jsonl_dataset(args.dataset_path, tokenizer, args.output_len, args.num_prompts)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from framework.bench.offline import append_result, environment
+
+    tokenizer = _tokenizer(args)
+    requests = load_requests(args, tokenizer)
+    prompts: list[str | list[int]] = [r.input_ids for r in requests]
+    if args.backend == "openai" and args.prompt_format == "text":
+        prompts = [tokenizer.decode(r.input_ids) for r in requests]
+    outputs, duration = asyncio.run(run_workload(
+        args.base_url, requests, args.backend, request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency, warmup=args.warmup, model=args.model, prompts=prompts,
+        api_key=args.api_key, admin_key=args.admin_key, seed=args.seed, progress=not args.disable_tqdm))
+    result = summarize(outputs, duration)
+    print(format_summary(result))
+    rate = args.request_rate
+    append_result(args.output, {
+        "kind": "serve", "tag": args.tag, "backend": args.backend, "base_url": args.base_url,
+        "dataset": args.dataset, "num_prompts": len(requests), "prompt_format": args.prompt_format,
+        # JSON has no infinity: "inf" keeps the line parseable by any reader
+        "request_rate": "inf" if rate == math.inf else rate, "max_concurrency": args.max_concurrency,
+        **environment(), **result,
+    })
+    return 0 if result["completed"] > 0 else 1

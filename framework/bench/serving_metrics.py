@@ -1,0 +1,81 @@
+"""Per-request measurements of ``bench serve`` and their summary (throughputs, latency percentiles).
+
+The definitions follow SGLang's and vLLM's ``bench_serving`` so figures compare across them:
+TTFT is request start to the first streamed token, TPOT is ``(latency - ttft) / (output_tokens - 1)``
+per request, ITL is the gap between consecutive streamed chunks (a chunk may carry several
+tokens), and end-to-end latency is request start to the last byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestOutput:
+    """What one streamed request measured; times in seconds."""
+
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def _stats(values: list[float], name: str, scale: float = 1000.0) -> dict[str, float | None]:
+    """mean / median / p99 of ``values`` in milliseconds (None when nothing was measured)."""
+    if not values:
+        return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
+    import numpy as np  # lazily: the CLI imports this module to build its parser
+
+    arr = np.asarray(values, dtype=float) * scale
+    return {
+        f"mean_{name}_ms": round(float(arr.mean()), 3),
+        f"median_{name}_ms": round(float(np.median(arr)), 3),
+        f"p99_{name}_ms": round(float(np.percentile(arr, 99)), 3),
+    }
+
+
+def summarize(outputs: list[RequestOutput], duration_s: float) -> dict[str, Any]:
+    """The figures of one run: completed requests, throughputs, TTFT / TPOT / ITL / E2E stats."""
+    done = [o for o in outputs if o.success]
+    in_tokens = sum(o.prompt_tokens for o in done)
+    out_tokens = sum(o.output_tokens for o in done)
+    # A request with one output token has no time-per-output-token: leave it out rather than
+    # count it as zero, which would flatter the mean.
+    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in done if o.output_tokens > 1]
+    duration_s = max(duration_s, 1e-9)
+    errors = [o.error for o in outputs if not o.success]
+    return {
+        "completed": len(done),
+        "failed": len(errors),
+        "first_error": errors[0] if errors else None,
+        "duration_s": round(duration_s, 3),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": round(len(done) / duration_s, 3),
+        "input_throughput": round(in_tokens / duration_s, 2),
+        "output_throughput": round(out_tokens / duration_s, 2),
+        **_stats([o.ttft for o in done], "ttft"),
+        **_stats(tpots, "tpot"),
+        **_stats([gap for o in done for gap in o.itl], "itl"),
+        **_stats([o.latency for o in done], "e2e_latency"),
+    }
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """A human-readable table of a summary (the JSON line has the same figures)."""
+    lines = [f"{'completed requests':<28}{result['completed']} (failed {result['failed']})",
+             f"{'duration (s)':<28}{result['duration_s']}",
+             f"{'request throughput (req/s)':<28}{result['request_throughput']}",
+             f"{'input throughput (tok/s)':<28}{result['input_throughput']}",
+             f"{'output throughput (tok/s)':<28}{result['output_throughput']}"]
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e_latency", "E2E latency")):
+        mean, med, p99 = (result[f"{k}_{name}_ms"] for k in ("mean", "median", "p99"))
+        lines.append(f"{label + ' (ms) mean/median/p99':<28}{mean} / {med} / {p99}")
+    if result.get("first_error"):
+        lines.append(f"first error: {result['first_error']}")
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""``plugserve bench compare`` on the llama-tiny random model with a handful of prompts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import pytest
+
+from framework.bench.compare import _peer, agreement, ratios, run_vllm
+from framework.bench.datasets import BenchRequest
+from framework.cli.main import main
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_compare_plugserve_transformers_and_vllm_skip(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the random model is written under here
+    out = tmp_path / "results.jsonl"
+    rc = main(["bench", "compare", "--random-model", "llama-tiny", "--num-prompts", "4", "--input-len", "16",
+               "--output-len", "8", "--output", str(out), "--tag", "t", "device.num_threads=1"])
+    assert rc == 0
+    row = json.loads(out.read_text())
+    assert row["kind"] == "compare" and row["tag"] == "t" and row["model"]["architecture"] == "LlamaForCausalLM"
+    systems = row["systems"]
+    for name in ("plugserve", "transformers"):
+        # the same workload through each: 4 x 16 prompt tokens, exactly 4 x 8 generated
+        assert systems[name]["input_tokens"] == 64 and systems[name]["output_tokens"] == 32, name
+        assert systems[name]["output_throughput"] > 0
+    assert systems["transformers"]["batch_size"] == 4
+    assert 0.0 <= systems["transformers"]["greedy_agreement_with_plugserve"] <= 1.0
+    assert row["ratios"]["plugserve/transformers"] == pytest.approx(
+        systems["plugserve"]["output_throughput"] / systems["transformers"]["output_throughput"], rel=1e-2)
+    printed = capsys.readouterr().out
+    assert "plugserve/transformers" in printed
+    if importlib.util.find_spec("vllm") is None:
+        assert systems["vllm"]["skipped"].startswith("vllm is not installed")
+        assert "vllm           skipped: vllm is not installed" in printed
+        assert "plugserve/vllm" not in row["ratios"]
+
+
+def test_ratios_ignore_skipped_peers() -> None:
+    systems = {"plugserve": {"output_throughput": 150.0}, "transformers": {"output_throughput": 75.0},
+               "vllm": {"skipped": "not installed"}}
+    assert ratios(systems) == {"plugserve/transformers": 2.0}
+
+
+class _FakeVLLM(types.ModuleType):
+    """Just enough of vllm's offline API for run_vllm's code path (vLLM itself needs its own wheel)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__("vllm")
+        fail_now = fail
+
+        class SamplingParams:
+            def __init__(self, temperature: float, max_tokens: int, ignore_eos: bool) -> None:
+                assert temperature == 0.0 and ignore_eos
+                self.max_tokens = max_tokens
+
+        class LLM:
+            def __init__(self, model: str, dtype: str, seed: int) -> None:
+                if fail_now:
+                    raise RuntimeError("no CPU backend")
+                assert dtype == "float32"
+
+            def generate(self, prompts, params, use_tqdm):
+                return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[7] * p.max_tokens)])
+                        for _ in prompts for p in [params[0]]]
+
+        self.LLM, self.SamplingParams = LLM, SamplingParams
+
+
+def test_run_vllm_code_path_with_a_stub(monkeypatch) -> None:
+    reqs = [BenchRequest([20, 21], 3), BenchRequest([22, 23, 24], 3)]
+    monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM())
+    tokens: list[list[int]] = []
+    fig = run_vllm("/nowhere", reqs, tokens)
+    assert fig["output_tokens"] == 6 and fig["input_tokens"] == 5 and tokens == [[7, 7, 7], [7, 7, 7]]
+    monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM(fail=True))
+    assert _peer("vllm", lambda: run_vllm("/nowhere", reqs)) == {"skipped": "vllm failed: RuntimeError: no CPU backend"}
+    assert agreement([[1, 2], [3]], [[1, 2], [4]]) == 0.5
