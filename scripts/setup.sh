@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up plugserve on a fresh machine: system packages, a virtual environment in .venv, the CPU
 # build of torch (installed explicitly first: a plain `torch` requirement could pull a multi-GB
-# CUDA build), plugserve with its test and bench extras, and the example third-party plugin that
-# the tests load through its entry point. Safe to run again.
+# CUDA build), plugserve with its test and bench extras and the mooncake and nixl KV transfer
+# extras, and the example third-party plugin that the tests load through its entry point. Safe to
+# run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,6 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e ".[test,bench]"
+.venv/bin/python -m pip install -q -e ".[test,bench,mooncake,nixl]"
 .venv/bin/python -m pip install -q --no-deps -e tests/plugins/plugserve-example-plugin
 echo "plugserve is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

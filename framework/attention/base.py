@@ -28,6 +28,12 @@ class AttentionBackend(ABC):
     #: Whether this backend can be captured in a CUDA graph for decode.
     supports_cuda_graph: bool = False
 
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why this backend cannot run in this process, or ``None``. Must be cheap and import
+        nothing heavy: ``attention.backend: auto`` calls it to skip backends that would fail."""
+        return None
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Precompute per-batch metadata (index tables, masks) shared by all layers."""

@@ -150,6 +150,24 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}: invalid value {OmegaConf.select(cfg, key)!r}, must be {allowed}")
 
 
+#: ``attention.backend: auto`` on GPU takes the first of these that can run here.
+GPU_BACKEND_PREFERENCE = ("flashinfer", "triton")
+
+
+def _backend_usable(name: str) -> bool:
+    """Registered, and its optional ``unavailable_reason()`` (a static check that imports nothing
+    heavy) has no objection: a registered flashinfer without the package must not be picked."""
+    from framework.plugins import get_registry
+
+    registry = get_registry()
+    if not registry.has("attention_backend", name):
+        return False
+    factory = registry.get("attention_backend", name).factory
+    owner = getattr(factory, "__self__", factory)  # a classmethod factory: ask its class
+    check = getattr(owner, "unavailable_reason", None)
+    return check is None or check() is None
+
+
 def resolve_auto(cfg: DictConfig) -> None:
     """Replace ``auto`` device, attention backend and memory pool by what will really run."""
     import torch
@@ -160,11 +178,8 @@ def resolve_auto(cfg: DictConfig) -> None:
         if cfg.device.device.value == "cpu":
             cfg.attention.backend = "torch_native"
         else:
-            from framework.plugins import get_registry
-
-            names = get_registry().names("attention_backend")
             cfg.attention.backend = next(
-                (b for b in ("flashinfer", "triton") if b in names), "torch_native"
+                (b for b in GPU_BACKEND_PREFERENCE if _backend_usable(b)), "torch_native"
             )
     if cfg.memory_pool.name == "auto":
         decode = cfg.disaggregation.mode is not None and cfg.disaggregation.mode.value == "decode"

@@ -114,3 +114,30 @@ def test_unknown_model_architecture_fails_at_config_time(tmp_path: Path):
         resolve_config(None, [f"model.path={tmp_path}"])
     with pytest.raises(ConfigError, match=r"model\.architecture: unknown model 'Llama'\. Did you mean"):
         resolve_config(None, [f"model.path={tmp_path}", "model.architecture=Llama"])
+
+
+def test_auto_backend_skips_backends_that_cannot_run_here(register_plugin):
+    from framework.config.loader import _backend_usable
+    from framework.hookspecs import hookimpl
+
+    class Usable:
+        @staticmethod
+        def unavailable_reason():
+            return None
+
+    class Unusable:
+        @staticmethod
+        def unavailable_reason():
+            return "needs hardware this machine lacks"
+
+    class Backends:
+        @hookimpl
+        def register_attention_backends(self, register):
+            register("fake_usable", Usable)
+            register("fake_unusable", Unusable)
+
+    register_plugin(Backends(), "fake-backends")
+    assert _backend_usable("fake_usable")
+    assert not _backend_usable("fake_unusable")
+    assert not _backend_usable("not_registered")
+    assert not _backend_usable("flashinfer")  # registered, but there is no CUDA device here
