@@ -18,6 +18,8 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e ".[test,bench,mooncake,nixl]"
+# triton runs its kernels on CPU under TRITON_INTERPRET=1 (the attention tests); mooncake and nixl
+# are the KV transfer libraries the PD tests use.
+.venv/bin/python -m pip install -q -e ".[test,bench,triton,mooncake,nixl]"
 .venv/bin/python -m pip install -q --no-deps -e tests/plugins/plugserve-example-plugin
 echo "plugserve is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

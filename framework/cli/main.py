@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     from framework.bench.cli import add_bench_commands
 
     add_bench_commands(sub)
+    from framework.router.cli import add_router_command
+
+    add_router_command(sub)
     return parser
 
 

@@ -56,6 +56,10 @@ class Req:
     extend_len: int = 0
     """Tokens this request computes in the batch being built (prefill chunk size)."""
     retractions: int = 0
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    """PD disaggregation: the prefill server's bootstrap service and this request's room."""
 
     # Outputs (logprobs are of the raw model distribution).
     output_logprobs: list[float] = field(default_factory=list)

@@ -77,6 +77,9 @@ class Scheduler(OverlapDecodeMixin):
         self.prompt_tokens_seen = 0
         self._pending: list[RequestOutput] = []
         self._init_overlap(self.cfg.overlap)
+        from framework.disaggregation.common import make_pd_side
+
+        self.pd = make_pd_side(self)  # None in unified mode; else the prefill or decode half
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -110,8 +113,11 @@ class Scheduler(OverlapDecodeMixin):
         if req.wants_prompt_logprobs() and req.logprob_start_len == 0:
             req.input_logprobs.append(None)  # the first prompt token has no logprob
             req.input_top_logprobs.append(None)
+        # PD: checks the bootstrap fields (may raise); the decode side queues the request itself
+        queued_by_pd = self.pd is not None and self.pd.admit(req)
         self.requests[req.rid] = req
-        self.waiting.append(req)
+        if not queued_by_pd:
+            self.waiting.append(req)
         self.prompt_tokens_seen += len(req.input_ids)
 
     def abort(self, rid: str, message: str | None = None) -> bool:
@@ -119,6 +125,8 @@ class Scheduler(OverlapDecodeMixin):
         req = self.requests.get(rid)
         if req is None:
             return False
+        if self.pd is not None and self.pd.abort(req, message or "aborted"):
+            return True
         if req in self.waiting:
             self.waiting.remove(req)
         if req is self.chunked:
@@ -130,7 +138,8 @@ class Scheduler(OverlapDecodeMixin):
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._pending or self._inflight)
+        pd_work = self.pd is not None and self.pd.has_work()
+        return bool(self.waiting or self.running or self.chunked or self._pending or self._inflight or pd_work)
 
     def num_running(self) -> int:
         return len(self.running) + (1 if self.chunked else 0)
@@ -142,6 +151,8 @@ class Scheduler(OverlapDecodeMixin):
         if self._executor is not None:
             self._step_overlap()
         else:
+            if self.pd is not None:
+                self.pd.step()
             plan = self.planner.plan(self.waiting, self.running, self.chunked, self.new_token_ratio)
             ran_prefill = bool(plan.reqs) and self._run_prefill(plan.reqs, plan.chunked)
             if not ran_prefill and self.running:
@@ -179,7 +190,9 @@ class Scheduler(OverlapDecodeMixin):
             if r is not chunked:
                 r.extend_len = 0
         self._record_prompt_logprobs(reqs, logits, plan)
-        if plan.sample_reqs:
+        if plan.sample_reqs and self.pd is not None and hasattr(self.pd, "on_prefilled"):
+            self.pd.on_prefilled(plan.sample_reqs, logits[plan.sample_rows])  # PD: KV goes to decode
+        elif plan.sample_reqs:
             self._sample(plan.sample_reqs, logits[plan.sample_rows])
             self.running.extend(r for r in plan.sample_reqs if not r.finished)
         self.hook.on_batch_finished(batch=stats, elapsed_s=time.perf_counter() - start)
@@ -354,6 +367,8 @@ class Scheduler(OverlapDecodeMixin):
 
     def leak_report(self) -> dict[str, int]:
         holders = self.running + ([self.chunked] if self.chunked else []) + self._deferred_release
+        if self.pd is not None:
+            holders = holders + self.pd.holders()
         return self.kv.leak_report(self.kv.held_by(holders))
 
     def flush_cache(self) -> bool:

@@ -19,7 +19,7 @@ from framework.server.group_response import request_errors, stream_events, wait_
 from framework.server.http_utils import finite, parse_model, require_bearer, sse
 from framework.server.openai_format import TokenText
 from framework.server.protocol import GenerateRequest
-from framework.server.request_builder import new_rid, require, sub_rids
+from framework.server.request_builder import attach_bootstrap, new_rid, require, sub_rids
 from framework.server.state import ServerState
 from framework.server.tokenizer_manager import Event, SubRequest
 
@@ -79,6 +79,7 @@ async def generate(request: Request) -> Response:
             mine = sub_rids(user_rids[i], params.n)
         subs += server.builder.expand(mine, ids, params, return_logprob=bool(want_lp[i]),
                                       top_logprobs_num=top_nums[i], logprob_start_len=starts[i])
+    attach_bootstrap(subs, body)
     group = await server.manager.submit(group_rid, subs)
     text_of = server.token_text if body.return_text_in_logprobs else None
     batch = not (single and len(subs) == 1)

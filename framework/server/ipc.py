@@ -26,6 +26,9 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class GenerateBatch(msgspec.Struct, tag="generate_batch"):

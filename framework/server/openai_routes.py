@@ -15,7 +15,7 @@ from framework.server.group_response import request_errors, stream_events, wait_
 from framework.server.http_utils import parse_model, require_bearer, sse
 from framework.server.openai_format import chat_logprobs, completion_logprobs, finish_reason, matched_stop, usage
 from framework.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
-from framework.server.request_builder import new_rid, require, sub_rids
+from framework.server.request_builder import attach_bootstrap, new_rid, require, sub_rids
 from framework.server.state import ServerState
 from framework.server.tokenizer_manager import Event, RequestGroup
 
@@ -82,6 +82,7 @@ async def completions(request: Request) -> Response:
         server.builder.check_length(ids, params, "prompt", "max_tokens")
         subs += server.builder.expand(rids[i * n:(i + 1) * n], ids, params, return_logprob=lp_num is not None,
                                       top_logprobs_num=lp_num or 0)
+    attach_bootstrap(subs, body)
     group = await server.manager.submit(group_rid, subs)
     echo = None
     if body.echo:
@@ -180,6 +181,7 @@ async def chat_completions(request: Request) -> Response:
     n, group_rid = body.n, body.rid or new_rid()
     subs = server.builder.expand(sub_rids(group_rid, n), ids, params, return_logprob=bool(body.logprobs),
                                  top_logprobs_num=top or 0)
+    attach_bootstrap(subs, body)
     group = await server.manager.submit(group_rid, subs)
     head = {"id": f"chatcmpl-{group_rid}", "created": int(time.time()), "model": server.model_name}
     if body.stream:

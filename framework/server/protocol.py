@@ -41,6 +41,9 @@ class SGLangExtras(StrictModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     rid: str | None = Field(default=None, description="Request id (for /abort_request); default: random")
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = Field(default=None, description="PD disaggregation (set by the router)")
 
     def sglang_sampling(self) -> dict[str, Any]:
         return {
@@ -137,6 +140,9 @@ class GenerateRequest(StrictModel):
     logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = Field(default=None, description="PD disaggregation (set by the router)")
 
 
 class AbortRequest(StrictModel):

@@ -124,6 +124,16 @@ class RequestBuilder:
         return subs
 
 
+def attach_bootstrap(subs: list[SubRequest], body: Any) -> None:
+    """PD disaggregation: copy the router's bootstrap fields onto the (single) request."""
+    if body.bootstrap_room is None:
+        return
+    require(len(subs) == 1, "a request with bootstrap_room must have one prompt and n = 1", "bootstrap_room")
+    subs[0].bootstrap_host = body.bootstrap_host
+    subs[0].bootstrap_port = body.bootstrap_port
+    subs[0].bootstrap_room = body.bootstrap_room
+
+
 def sub_rids(group_rid: str, count: int) -> list[str]:
     """Scheduler request ids of a group: the group's own id when it has one request."""
     return [group_rid] if count == 1 else [f"{group_rid}-{i}" for i in range(count)]

@@ -102,6 +102,9 @@ class SchedulerLoop:
                     return_logprob=g.return_logprob,
                     top_logprobs_num=g.top_logprobs_num,
                     logprob_start_len=g.logprob_start_len,
+                    bootstrap_host=g.bootstrap_host,
+                    bootstrap_port=g.bootstrap_port,
+                    bootstrap_room=g.bootstrap_room,
                 )
                 self.scheduler.add_request(req)
                 added.append(g.rid)

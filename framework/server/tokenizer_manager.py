@@ -46,12 +46,16 @@ class SubRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
     def to_ipc(self) -> ipc.GenerateReq:
         return ipc.GenerateReq(
             rid=self.rid, input_ids=self.input_ids, sampling_params=self.params.to_dict(),
             return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
-            logprob_start_len=self.logprob_start_len,
+            logprob_start_len=self.logprob_start_len, bootstrap_host=self.bootstrap_host,
+            bootstrap_port=self.bootstrap_port, bootstrap_room=self.bootstrap_room,
         )
 
 

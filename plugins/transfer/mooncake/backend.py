@@ -1,0 +1,170 @@
+"""KV transfer with Mooncake's TransferEngine.
+
+Each side starts a TransferEngine (``P2PHANDSHAKE`` metadata: peers find each other by
+``host:rpc_port``, no metadata server) and registers its K and V buffers. The sender writes each
+merged page run straight into the receiver's registered memory (``batch_transfer_sync_write``:
+source addresses, destination addresses and lengths from ``transfer_spans``), then pushes a
+completion notice with the metadata over zmq (``plugins.transfer.notify``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from framework.disaggregation.addressing import check_compatible, check_pages, merge_page_runs, transfer_spans
+from framework.disaggregation.base import KVLayout, TransferBackend, TransferState, TransferTask
+from plugins.transfer.notify import Notice, NoticeReceiver, NoticeSender
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MooncakeOptions:
+    """Options of the ``mooncake`` transfer backend."""
+
+    hostname: str = "127.0.0.1"
+    """This host's address as the peer reaches it."""
+    protocol: str = "tcp"
+    """Mooncake transport: tcp (any machine) or rdma (needs RDMA NICs and device_name)."""
+    device_name: str = ""
+    """RDMA device(s), e.g. mlx5_0 (empty for tcp)."""
+    metadata_server: str = "P2PHANDSHAKE"
+    """P2PHANDSHAKE exchanges segment metadata directly between peers."""
+
+
+class MooncakeTransferBackend(TransferBackend):
+    def __init__(self, role: str, layout: KVLayout, options: MooncakeOptions) -> None:
+        super().__init__(role, layout, options)
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise RuntimeError(
+                "the mooncake transfer backend needs `pip install plugserve[mooncake]` "
+                "(mooncake-transfer-engine-non-cuda on CPU) and Debian's libibverbs1"
+            ) from exc
+        self.engine = TransferEngine()
+        ret = self.engine.initialize(options.hostname, options.metadata_server, options.protocol,
+                                     options.device_name)
+        if ret != 0:
+            raise RuntimeError(f"Mooncake TransferEngine.initialize failed ({ret})")
+        self.session = f"{options.hostname}:{self.engine.get_rpc_port()}"
+        for ptr in layout.ptrs:
+            if self.engine.register_memory(ptr, layout.buffer_bytes) != 0:
+                raise RuntimeError("Mooncake register_memory failed")
+        self._lock = threading.Lock()
+        self._tasks: dict[int, TransferTask] = {}
+        self._metadata: dict[int, bytes] = {}
+        self._peer: dict[str, Any] | None = None
+        self._receiver = NoticeReceiver(options.hostname, self._on_notice) if role == "decode" else None
+        self._outbox: queue.Queue[tuple[int, list[int], list[int], bytes] | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+
+    @classmethod
+    def create(cls, role: str, layout: KVLayout, options: MooncakeOptions | None = None) -> MooncakeTransferBackend:
+        return cls(role, layout, options or MooncakeOptions())
+
+    def endpoint(self) -> dict[str, Any]:
+        ep: dict[str, Any] = {"session": self.session, "layout": self.layout.to_json()}
+        if self._receiver is not None:
+            ep["notify"] = self._receiver.address
+        return ep
+
+    def connect(self, peer: dict[str, Any]) -> None:
+        check_compatible(self.layout, KVLayout.from_json(peer["layout"]))
+        self._peer = peer
+        if self.role == "prefill" and self._worker is None:
+            self._worker = threading.Thread(target=self._send_loop, name="pd-mooncake-send", daemon=True)
+            self._worker.start()
+
+    # -- sender ----------------------------------------------------------------------------
+
+    def send(self, room: int, src_pages: list[int], dst_pages: list[int], metadata: bytes) -> None:
+        check_pages(self.layout, src_pages, "source")
+        task = TransferTask(room, TransferState.waiting_for_input)
+        task.advance(TransferState.transferring)
+        with self._lock:
+            self._tasks[room] = task
+        self._outbox.put((room, src_pages, dst_pages, metadata))
+
+    def _send_loop(self) -> None:
+        assert self._peer is not None
+        notices = NoticeSender(self._peer["notify"])
+        peer_layout = KVLayout.from_json(self._peer["layout"])
+        try:
+            while (item := self._outbox.get()) is not None:
+                room, src, dst, metadata = item
+                with self._lock:
+                    task = self._tasks.get(room)
+                if task is None or task.state.final:
+                    continue
+                error = None
+                try:
+                    spans = transfer_spans(self.layout, peer_layout, merge_page_runs(src, dst))
+                    ret = self.engine.batch_transfer_sync_write(
+                        self._peer["session"], [s.src_addr for s in spans], [s.dst_addr for s in spans],
+                        [s.nbytes for s in spans],
+                    ) if spans else 0
+                    if ret < 0:
+                        error = f"Mooncake batch_transfer_sync_write failed ({ret})"
+                except Exception as exc:  # a broken peer must fail the room, not the thread
+                    error = f"Mooncake transfer failed: {exc}"
+                notices.send(Notice(room, error is None, metadata if error is None else b"", error))
+                with self._lock:
+                    if error is None:
+                        if not task.state.final:
+                            task.advance(TransferState.success)
+                    else:
+                        task.fail(error)
+        finally:
+            notices.close()
+
+    # -- receiver --------------------------------------------------------------------------
+
+    def expect(self, room: int, dst_pages: list[int]) -> None:
+        check_pages(self.layout, dst_pages, "destination")
+        task = TransferTask(room, TransferState.waiting_for_input)
+        with self._lock:
+            self._tasks[room] = task
+
+    def _on_notice(self, notice: Notice) -> None:
+        with self._lock:
+            task = self._tasks.get(notice.room)
+            if task is None or task.state.final:
+                return
+            if notice.ok:
+                task.advance(TransferState.transferring)
+                self._metadata[notice.room] = notice.metadata
+                task.advance(TransferState.success)
+            else:
+                task.fail(notice.error or "the sender reported a failed transfer")
+
+    # -- both ------------------------------------------------------------------------------
+
+    def poll(self, room: int) -> TransferTask:
+        with self._lock:
+            task = self._tasks.get(room)
+        if task is None:
+            raise KeyError(f"unknown room {room}")
+        return task
+
+    def metadata(self, room: int) -> bytes | None:
+        with self._lock:
+            return self._metadata.get(room)
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            task = self._tasks.pop(room, None)
+            if task is not None:
+                task.fail("released")
+            self._metadata.pop(room, None)
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        if self._worker is not None:
+            self._worker.join(timeout=10)
+        if self._receiver is not None:
+            self._receiver.close()

@@ -1,0 +1,178 @@
+"""KV transfer with NIXL agents (UCX).
+
+Each side creates an agent and registers its K and V buffers (DRAM on CPU, VRAM on a GPU); the
+endpoints carry the agents' metadata (base64 in JSON), and each side loads the other's. The sender
+posts one WRITE of every merged page run (descriptors from ``transfer_spans``) with a notification
+that carries the room and the metadata (msgpack); the receiver completes a room when that
+notification arrives, which NIXL delivers after the data. No thread of our own: the scheduler's
+polls drive everything, and NIXL's progress thread moves the bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from framework.disaggregation.addressing import check_compatible, check_pages, merge_page_runs, transfer_spans
+from framework.disaggregation.base import KVLayout, TransferBackend, TransferState, TransferTask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class NixlOptions:
+    """Options of the ``nixl`` transfer backend."""
+
+    backend: str = "UCX"
+    """NIXL backend plugin that moves the bytes."""
+
+
+class _Notif(msgspec.Struct, array_like=True):
+    room: int
+    metadata: bytes
+
+
+class NixlTransferBackend(TransferBackend):
+    def __init__(self, role: str, layout: KVLayout, options: NixlOptions) -> None:
+        super().__init__(role, layout, options)
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise RuntimeError("the nixl transfer backend needs `pip install plugserve[nixl]`") from exc
+        self.name = f"plugserve-{role}-{uuid.uuid4().hex[:12]}"
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=[options.backend]))
+        gpu = layout.device.startswith("cuda")
+        self.mem_type = "VRAM" if gpu else "DRAM"
+        self.dev_id = int(layout.device.partition(":")[2] or 0) if gpu else 0
+        regs = [(p, layout.buffer_bytes, self.dev_id, "") for p in layout.ptrs]
+        self._reg = self.agent.register_memory(self.agent.get_reg_descs(regs, self.mem_type))
+        self._lock = threading.Lock()
+        self._tasks: dict[int, TransferTask] = {}
+        self._handles: dict[int, Any] = {}
+        self._metadata: dict[int, bytes] = {}
+        self._peer_name: str | None = None
+        self._peer_layout: KVLayout | None = None
+
+    @classmethod
+    def create(cls, role: str, layout: KVLayout, options: NixlOptions | None = None) -> NixlTransferBackend:
+        return cls(role, layout, options or NixlOptions())
+
+    def endpoint(self) -> dict[str, Any]:
+        meta = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        return {"agent": self.name, "agent_metadata": meta, "layout": self.layout.to_json()}
+
+    def connect(self, peer: dict[str, Any]) -> None:
+        self._peer_layout = KVLayout.from_json(peer["layout"])
+        check_compatible(self.layout, self._peer_layout)
+        self._peer_name = self.agent.add_remote_agent(base64.b64decode(peer["agent_metadata"]))
+
+    # -- sender ----------------------------------------------------------------------------
+
+    def send(self, room: int, src_pages: list[int], dst_pages: list[int], metadata: bytes) -> None:
+        check_pages(self.layout, src_pages, "source")
+        task = TransferTask(room, TransferState.waiting_for_input)
+        with self._lock:
+            self._tasks[room] = task
+        try:
+            assert self._peer_name is not None and self._peer_layout is not None, "connect() first"
+            spans = transfer_spans(self.layout, self._peer_layout, merge_page_runs(src_pages, dst_pages))
+            local = self.agent.get_xfer_descs([(s.src_addr, s.nbytes, self.dev_id) for s in spans], self.mem_type)
+            remote = self.agent.get_xfer_descs([(s.dst_addr, s.nbytes, self.dev_id) for s in spans], self.mem_type)
+            notif = msgspec.msgpack.encode(_Notif(room, metadata))
+            handle = self.agent.initialize_xfer("WRITE", local, remote, self._peer_name, notif)
+            state = self.agent.transfer(handle)
+        except Exception as exc:
+            task.fail(f"NIXL transfer could not start: {exc}")
+            return
+        task.advance(TransferState.transferring)
+        self._handles[room] = handle
+        if state == "ERR":
+            task.fail("NIXL transfer failed to post")
+
+    def _progress_send(self, room: int, task: TransferTask) -> None:
+        handle = self._handles.get(room)
+        if handle is None or task.state.final:
+            return
+        state = self.agent.check_xfer_state(handle)
+        if state == "DONE":
+            task.advance(TransferState.success)
+        elif state == "ERR":
+            task.fail("NIXL transfer failed")
+        else:
+            return
+        self.agent.release_xfer_handle(self._handles.pop(room))
+
+    # -- receiver --------------------------------------------------------------------------
+
+    def expect(self, room: int, dst_pages: list[int]) -> None:
+        check_pages(self.layout, dst_pages, "destination")
+        with self._lock:
+            self._tasks[room] = TransferTask(room, TransferState.waiting_for_input)
+
+    def _drain_notifs(self) -> None:
+        for msgs in self.agent.get_new_notifs().values():
+            for raw in msgs:
+                try:
+                    n = msgspec.msgpack.decode(raw, type=_Notif)
+                except msgspec.DecodeError:
+                    logger.warning("dropping an undecodable NIXL notification")
+                    continue
+                task = self._tasks.get(n.room)
+                if task is None or task.state.final:
+                    continue
+                task.advance(TransferState.transferring)
+                self._metadata[n.room] = n.metadata
+                task.advance(TransferState.success)
+
+    # -- both ------------------------------------------------------------------------------
+
+    def poll(self, room: int) -> TransferTask:
+        task = self._tasks.get(room)
+        if task is None:
+            raise KeyError(f"unknown room {room}")
+        if self.role == "prefill":
+            self._progress_send(room, task)
+        elif not task.state.final:
+            self._drain_notifs()
+        return task
+
+    def metadata(self, room: int) -> bytes | None:
+        return self._metadata.get(room)
+
+    def release(self, room: int) -> None:
+        task = self._tasks.pop(room, None)
+        if task is not None:
+            task.fail("released")
+        self._metadata.pop(room, None)
+        handle = self._handles.pop(room, None)
+        if handle is not None:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # an in-flight handle cannot be released: NIXL frees it with the agent
+                logger.debug("NIXL handle of room %d not released", room, exc_info=True)
+
+    def close(self) -> None:
+        """Release handles, forget the peer, deregister and drop the agent, in that order (UCX
+        crashes at interpreter exit when an agent still holds them)."""
+        agent, self.agent = self.agent, None
+        if agent is None:
+            return
+        for handle in self._handles.values():
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception:
+                logger.debug("NIXL handle release failed", exc_info=True)
+        self._handles.clear()
+        try:
+            if self._peer_name is not None:
+                agent.remove_remote_agent(self._peer_name)
+            agent.deregister_memory(self._reg)
+        except Exception:
+            logger.debug("NIXL teardown failed", exc_info=True)
+        del agent

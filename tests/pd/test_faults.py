@@ -1,0 +1,69 @@
+"""PD faults in one process: a peer that never shows up fails the request with a clear error
+after the bootstrap timeout, and every page and request slot is freed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from framework import Engine
+from tests.pd.test_scheduler_pd import COMMON, assert_no_leak, make_req
+from tests.server.conftest import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from framework.testing.tiny_models import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("pd-faults"), "LlamaForCausalLM")
+
+
+def engine(model_path, mode, port, *extra):
+    return Engine(overrides=[f"model.path={model_path}", *COMMON, f"disaggregation.mode={mode}",
+                             "disaggregation.transfer_backend=nccl", f"disaggregation.bootstrap_port={port}",
+                             "disaggregation.bootstrap_timeout_s=1.5", *extra], progress=False)
+
+
+def run_until_error(sched, rid, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for o in sched.step():
+            if o.rid == rid and o.finished:
+                return o
+    raise AssertionError("the request neither finished nor failed")
+
+
+def test_prefill_without_decode_times_out_and_frees(model_path):
+    port = free_port()
+    e = engine(model_path, "prefill", port)
+    try:
+        s = e.scheduler
+        s.add_request(make_req("a", list(range(10, 50)), 4, "127.0.0.1", port, 1))
+        start = time.monotonic()
+        out = run_until_error(s, "a")
+        assert out.error and "bootstrap timed out" in out.error
+        assert out.finish_reason["type"] == "abort"
+        assert time.monotonic() - start < 15
+        assert_no_leak(e)
+    finally:
+        e.scheduler.pd.close()
+
+
+def test_decode_with_unreachable_bootstrap_times_out_and_frees(model_path):
+    dead_port = free_port()  # nothing listens there
+    e = engine(model_path, "decode", free_port(), "memory_pool.name=decode_prealloc")
+    try:
+        s = e.scheduler
+        s.add_request(make_req("b", list(range(10, 30)), 4, "127.0.0.1", dead_port, 2))
+        out = run_until_error(s, "b")
+        assert out.error and "bootstrap timed out" in out.error
+        assert_no_leak(e)
+        # a request without bootstrap fields is refused clearly (the HTTP layer answers 400)
+        with pytest.raises(ValueError, match="bootstrap"):
+            s.add_request(make_req("c", [1, 2, 3], 2, None, None, None))
+        assert "c" not in s.requests and not s.has_work()
+    finally:
+        e.scheduler.pd.close()
