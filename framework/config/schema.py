@@ -135,6 +135,10 @@ class SchedulerConfig:
     """Per-request cap on the max_new_tokens used in the admission estimate."""
     retract_decode_steps: int = 20
     """After a retraction, KV kept free for this many decode steps of the running batch."""
+    in_batch_prefix_check_tokens: int = 32
+    """A waiting request whose first this-many tokens equal those of a request already in the
+    prefill batch being built (and not cached yet) waits for the next batch, where it hits the
+    prefix cache instead of computing the same prefix twice. 0 disables the check."""
     overlap: bool = False
     """Schedule step N+1 while step N's forward runs (outputs are identical)."""
     stream_interval: int = 1

@@ -159,6 +159,19 @@ class KVManager:
         req.last_node = None
         req.kv_len = req.prefix_len = 0
 
+    def cache_prefix(self, req: Req) -> None:
+        """Put a running request's computed KV (whole pages) into the prefix cache now, so that
+        requests arriving while it still runs share its prompt (SGLang's cache_unfinished_req).
+        The request keeps the pages past the cached part; its row now points at the tree's slots."""
+        if not isinstance(self.cache, RadixCache) or req.kv_len - req.prefix_len < self.page_size:
+            return
+        kv = req.kv_indices(self.req_to_token)
+        result = self.cache.cache_unfinished_request(req.fill_ids[: req.kv_len], kv, req.prefix_len, req.last_node)
+        n = result.prefix_len
+        self.req_to_token[req.req_pool_idx, :n] = result.indices.to(torch.int32)
+        req.prefix_len = n
+        req.last_node = result.last_node
+
     def held_by(self, reqs: Sequence[Req]) -> int:
         """Tokens of pages that running requests own outright (beyond their cached prefix)."""
         held = 0

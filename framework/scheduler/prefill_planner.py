@@ -76,10 +76,17 @@ class PrefillPlanner:
         if slots_left <= 0 or not waiting or rem_input <= 0:
             return plan
         ordered = self.policy.order(waiting, lambda r: self.kv.match(r).prefix_len)
+        head_len = cfg.in_batch_prefix_check_tokens
+        batch_heads: set[tuple[int, ...]] = set()
         for req in ordered:
             if slots_left <= 0 or rem_input <= 0:
                 break
             match = self.kv.match(req)
+            head = tuple(req.fill_ids[:head_len]) if head_len and len(req.fill_ids) > head_len else None
+            if head is not None and match.prefix_len < head_len:
+                if head in batch_heads:
+                    continue  # shares an uncached prefix with a request in this batch: next batch hits
+                batch_heads.add(head)
             # Recomputed each time: locking an admitted request's prefix makes it unevictable.
             rem_total = self.kv.available_tokens() - running_reserve - admitted_cost
             need = req.seq_len - match.prefix_len

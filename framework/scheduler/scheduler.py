@@ -189,6 +189,7 @@ class Scheduler(OverlapDecodeMixin):
             r.kv_len += r.extend_len
             if r is not chunked:
                 r.extend_len = 0
+            self.kv.cache_prefix(r)  # later arrivals can share this prompt while it still runs
         self._record_prompt_logprobs(reqs, logits, plan)
         if plan.sample_reqs and self.pd is not None and hasattr(self.pd, "on_prefilled"):
             self.pd.on_prefilled(plan.sample_reqs, logits[plan.sample_rows])  # PD: KV goes to decode

@@ -111,3 +111,21 @@ def test_admission_errors(engine):
         engine.generate([1, 2], {"temperature": -1.0})
     with pytest.raises(AdmissionError, match="input_ids must be in"):
         engine.generate([10**6], {"max_new_tokens": 2})
+
+
+def test_running_requests_share_their_prompt_with_later_arrivals(engine):
+    """A prompt's KV enters the prefix cache right after its prefill, not only when it finishes,
+    and a request sharing an uncached prefix with one in the same prefill batch waits one batch
+    so that it hits the cache instead of computing the prefix again."""
+    system = list(range(100, 164))  # 64 shared tokens
+    params = {**GREEDY, "max_new_tokens": 6}
+    first = engine.submit(system + [5, 6], params)
+    second = engine.submit(system + [7, 8], params)  # same batch: deferred by the in-batch check
+    engine.step()  # prefill of `first` only
+    third = engine.submit(system + [9], params)  # arrives while `first` decodes
+    engine.run_until_done([first, second, third])
+    states = [engine._states.pop(r) for r in (first, second, third)]
+    assert states[0].cached_tokens == 0
+    assert states[1].cached_tokens >= 64 and states[2].cached_tokens >= 64
+    alone = engine.generate(system + [7, 8], params)  # sharing changed nothing in the output
+    assert states[1].output_ids == alone["output_ids"]
