@@ -7,6 +7,8 @@ import json
 import tempfile
 from typing import Any
 
+from framework.bench.datasets import add_dataset_args
+
 DEFAULT_RESULTS = "bench_results/results.jsonl"
 
 
@@ -25,16 +27,7 @@ def add_bench_commands(sub: Any) -> None:
 
     p = bench_sub.add_parser("offline", help="in-process throughput of a whole workload")
     common(p)
-    p.add_argument("--dataset", choices=["random", "generated-shared-prefix", "jsonl"], default="random")
-    p.add_argument("--dataset-path", help="JSONL file for --dataset jsonl")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--range-ratio", type=float, default=1.0)
-    p.add_argument("--gsp-groups", type=int, default=8)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
-    p.add_argument("--gsp-system-len", type=int, default=1024)
-    p.add_argument("--gsp-question-len", type=int, default=64)
+    add_dataset_args(p)
     p.add_argument("--single-decode", action="store_true", help="also measure one request decoding alone")
     p.set_defaults(func=cmd_offline)
 

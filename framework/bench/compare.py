@@ -24,7 +24,7 @@ PEERS = ("transformers", "vllm")
 
 def add_compare_command(bench_sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register ``bench compare`` (called from framework/bench/cli.py with its model arguments)."""
-    from framework.bench.serving import add_dataset_args
+    from framework.bench.datasets import add_dataset_args
 
     p = bench_sub.add_parser("compare", help="one offline workload through plugserve, transformers and vLLM")
     common(p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import dataclass
@@ -71,3 +72,17 @@ def jsonl_dataset(path: str | Path, tokenizer, output_len: int, num_prompts: int
             if num_prompts is not None and len(out) >= num_prompts:
                 break
     return out
+
+
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    """The workload arguments of ``bench offline``, ``serve`` and ``compare`` (same names and defaults)."""
+    p.add_argument("--dataset", choices=["random", "generated-shared-prefix", "jsonl"], default="random")
+    p.add_argument("--dataset-path", help="JSONL file for --dataset jsonl")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=1.0)
+    p.add_argument("--gsp-groups", type=int, default=8)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-len", type=int, default=1024)
+    p.add_argument("--gsp-question-len", type=int, default=64)

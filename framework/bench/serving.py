@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from framework.bench.datasets import add_dataset_args
 from framework.bench.serving_metrics import RequestOutput, format_summary, summarize
 
 if TYPE_CHECKING:  # httpx is imported where used: the CLI imports this module to build its parser
@@ -50,20 +51,6 @@ def add_serve_command(bench_sub: Any, common_output: Callable[[argparse.Argument
     p.add_argument("--disable-tqdm", action="store_true")
     common_output(p)
     p.set_defaults(func=cmd_serve)
-
-
-def add_dataset_args(p: argparse.ArgumentParser) -> None:
-    """The workload arguments ``bench offline`` also takes (same names and defaults)."""
-    p.add_argument("--dataset", choices=["random", "generated-shared-prefix", "jsonl"], default="random")
-    p.add_argument("--dataset-path", help="JSONL file for --dataset jsonl")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--range-ratio", type=float, default=1.0)
-    p.add_argument("--gsp-groups", type=int, default=8)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
-    p.add_argument("--gsp-system-len", type=int, default=1024)
-    p.add_argument("--gsp-question-len", type=int, default=64)
 
 
 def _sse_payloads(line: str) -> Any | None:
