@@ -80,18 +80,60 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """One new token per request attends to its whole context."""
 
-    # CUDA-graph hooks: only backends with ``supports_cuda_graph = True`` implement them.
+    # --- CUDA-graph hooks ---------------------------------------------------------------------
+    # Used by framework.engine.cuda_graph_runner, only when ``supports_cuda_graph`` is True. The
+    # runner captures one graph per decode batch-size bucket; a captured graph re-launches the
+    # same kernels on the same memory, so everything a decode forward reads (index tables, lengths)
+    # must live in buffers allocated once here and refreshed *in place* before each replay, and the
+    # decode path must make no host syncs or data-dependent shapes while it is being captured.
+
     def init_cuda_graph_state(self, max_batch_size: int, max_context_len: int) -> None:
-        """Allocate the static buffers that captured graphs read their metadata from."""
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+        """Allocate the static buffers captured graphs read their metadata from.
+
+        Called once, before any capture. ``max_batch_size`` is the largest captured bucket and
+        ``max_context_len`` the width of ``req_to_token`` (no request is longer). The default
+        refuses: a backend that does not override the hooks does not support CUDA graphs.
+        """
+        raise NotImplementedError(self._no_cuda_graph_message())
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        """Metadata for a capture run of batch size ``forward_batch.batch_size``."""
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+        """Set ``forward_batch.attn_metadata`` for capturing bucket ``forward_batch.batch_size``.
 
-    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        """Refresh the static metadata buffers in place before a replay."""
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+        ``forward_batch`` is the runner's static batch of that bucket: its tensors are the static
+        input buffers (padding values at capture time), and the same object is passed to
+        :meth:`init_forward_metadata_replay_cuda_graph` for every replay of the bucket. The
+        metadata must point into the buffers of :meth:`init_cuda_graph_state`. The runner then
+        runs the forward eagerly a few times (warm-up: lazy planning, kernel compilation) and
+        once under capture.
+        """
+        raise NotImplementedError(self._no_cuda_graph_message())
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch, real_batch_size: int) -> None:
+        """Refresh the static metadata buffers in place before a replay (eagerly, outside the graph).
+
+        ``forward_batch`` is the static batch of the bucket, already holding the real batch's
+        ``real_batch_size`` rows followed by padding rows (request row 0, sequence length
+        :meth:`get_cuda_graph_seq_len_fill_value`, KV slot 0 = the padding page);
+        ``forward_batch.seq_lens_cpu`` holds the padded lengths too.
+        """
+        raise NotImplementedError(self._no_cuda_graph_message())
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Sequence length given to padding rows. 1 (one token, the padding slot) suits backends
+        that divide by or index with the length; a backend that can attend to nothing may use 0."""
+        return 1
+
+    def can_replay_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
+        """Whether this decode batch (already known to fit a bucket) may replay a graph, or must
+        run eagerly. Default True; a backend whose graph buffers bound the context says no for
+        longer batches."""
+        return True
+
+    def _no_cuda_graph_message(self) -> str:
+        return (
+            f"attention backend {type(self).__name__} does not support CUDA graphs; "
+            "set cuda_graph.enabled=false or choose a backend that supports them"
+        )
 
 
 class Attention(nn.Module):

@@ -30,6 +30,9 @@ def add_compare_command(bench_sub: Any, common: Callable[[argparse.ArgumentParse
     common(p)
     add_dataset_args(p)
     p.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS), help="peers to run (default: all)")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a separate venv with vllm installed: run the vLLM peer there "
+                        "(default: import vllm in this process)")
     p.add_argument("--hf-batch-size", type=int, default=0, help="transformers batch size (default: every prompt)")
     p.set_defaults(func=cmd_compare)
 
@@ -111,6 +114,30 @@ def run_vllm(model_path: str, requests: list[BenchRequest], outputs: list[list[i
     return _figures(len(requests), sum(len(r.input_ids) for r in requests), out_tokens, elapsed)
 
 
+def run_vllm_elsewhere(python: str, model_path: str, requests: list[BenchRequest],
+                       outputs: list[list[int]] | None = None, dtype: str = "float32") -> dict[str, Any]:
+    """:func:`run_vllm` in another interpreter (vLLM's own venv), through ``vllm_peer.py``."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    script = Path(__file__).with_name("vllm_peer.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job.write_text(json.dumps({"model": model_path, "dtype": dtype,
+                                   "prompts": [r.input_ids for r in requests],
+                                   "output_lens": [r.output_len for r in requests]}))
+        proc = subprocess.run([python, str(script), str(job), str(result)], capture_output=True, text=True)
+        if proc.returncode != 0 or not result.exists():
+            tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+            raise RuntimeError(f"{python} {script.name} exited with {proc.returncode}: {tail}")
+        done = json.loads(result.read_text())
+    if outputs is not None:
+        outputs.extend(done["output_ids"])
+    out_tokens = sum(len(o) for o in done["output_ids"])
+    return _figures(len(requests), sum(len(r.input_ids) for r in requests), out_tokens, done["elapsed_s"])
+
+
 def _peer(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run one peer; a missing package or a failure is a recorded skip, not the end of the run."""
     try:
@@ -162,7 +189,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     gc.collect()
     _empty_cuda_cache()
     if "vllm" in args.peers:
-        systems["vllm"] = _peer("vllm", lambda: run_vllm(model_path, requests, tokens["vllm"], dtype))
+        if args.vllm_python:
+            systems["vllm"] = _peer("vllm", lambda: run_vllm_elsewhere(args.vllm_python, model_path, requests,
+                                                                       tokens["vllm"], dtype))
+        else:
+            systems["vllm"] = _peer("vllm", lambda: run_vllm(model_path, requests, tokens["vllm"], dtype))
     for name, fig in systems.items():
         if name != "plugserve" and "skipped" not in fig:
             fig["greedy_agreement_with_plugserve"] = agreement(tokens["plugserve"], tokens[name])

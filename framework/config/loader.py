@@ -134,6 +134,15 @@ def _check_values(cfg: DictConfig) -> None:
         ("scheduler.stream_interval", cfg.scheduler.stream_interval >= 1, ">= 1"),
         ("server.port", 0 <= cfg.server.port < 65536, "in [0, 65535]"),
         ("server.max_body_bytes", cfg.server.max_body_bytes >= 1024, ">= 1024"),
+        ("cuda_graph.max_batch_size", cfg.cuda_graph.max_batch_size >= 1, ">= 1"),
+        ("cuda_graph.num_warmup_runs", cfg.cuda_graph.num_warmup_runs >= 1, ">= 1"),
+        (
+            "cuda_graph.batch_sizes",
+            cfg.cuda_graph.batch_sizes is None or (
+                len(cfg.cuda_graph.batch_sizes) > 0 and all(b >= 1 for b in cfg.cuda_graph.batch_sizes)
+            ),
+            "null or a non-empty list of sizes >= 1",
+        ),
     ]
     optional_positive = [
         "scheduler.max_running_requests",
@@ -152,6 +161,8 @@ def _check_values(cfg: DictConfig) -> None:
 
 #: ``attention.backend: auto`` on GPU takes the first of these that can run here.
 GPU_BACKEND_PREFERENCE = ("flashinfer", "triton")
+#: ... and on CPU (cpu_paged needs a C compiler for its decode kernel; torch_native runs anywhere).
+CPU_BACKEND_PREFERENCE = ("cpu_paged",)
 
 
 def _backend_usable(name: str) -> bool:
@@ -168,22 +179,44 @@ def _backend_usable(name: str) -> bool:
     return check is None or check() is None
 
 
+def _backend_supports_cuda_graph(name: str) -> bool | None:
+    """The registered backend's ``supports_cuda_graph``; ``None`` when ``name`` is not registered
+    (the component check reports that with the installed names)."""
+    from framework.plugins import get_registry
+
+    registry = get_registry()
+    if not registry.has("attention_backend", name):
+        return None
+    factory = registry.get("attention_backend", name).factory
+    owner = getattr(factory, "__self__", factory)
+    return bool(getattr(owner, "supports_cuda_graph", False))
+
+
 def resolve_auto(cfg: DictConfig) -> None:
-    """Replace ``auto`` device, attention backend and memory pool by what will really run."""
+    """Replace ``auto`` device, attention backend, memory pool and CUDA-graph switch by what will
+    really run."""
     import torch
 
     if cfg.device.device.value == "auto":
         cfg.device.device = Device.cuda if torch.cuda.is_available() else Device.cpu
     if cfg.attention.backend == "auto":
-        if cfg.device.device.value == "cpu":
-            cfg.attention.backend = "torch_native"
-        else:
-            cfg.attention.backend = next(
-                (b for b in GPU_BACKEND_PREFERENCE if _backend_usable(b)), "torch_native"
-            )
+        preference = CPU_BACKEND_PREFERENCE if cfg.device.device.value == "cpu" else GPU_BACKEND_PREFERENCE
+        cfg.attention.backend = next((b for b in preference if _backend_usable(b)), "torch_native")
     if cfg.memory_pool.name == "auto":
         decode = cfg.disaggregation.mode is not None and cfg.disaggregation.mode.value == "decode"
         cfg.memory_pool.name = "decode_prealloc" if decode else "standard"
+    from framework.engine.cuda_graph_runner import resolve_cuda_graph_enabled
+
+    supports = _backend_supports_cuda_graph(cfg.attention.backend)
+    enabled = cfg.cuda_graph.enabled
+    if enabled is None and cfg.disaggregation.mode is not None and cfg.disaggregation.mode.value == "prefill":
+        enabled = False  # a prefill server never decodes: capturing would only cost start time and memory
+    # An unknown backend is reported by the component check; the device check still applies.
+    enabled = resolve_cuda_graph_enabled(
+        enabled, cfg.device.device.value, cfg.attention.backend, supports is not False
+    )
+    if supports is not None:
+        cfg.cuda_graph.enabled = enabled
 
 
 def validate_options(component: Any, options: Any, key: str) -> DictConfig:

@@ -28,6 +28,12 @@ class Device(Enum):
     cuda = "cuda"
 
 
+class CpuLinear(Enum):
+    auto = "auto"
+    onednn = "onednn"
+    aten = "aten"
+
+
 class DisaggregationMode(Enum):
     prefill = "prefill"
     decode = "decode"
@@ -63,6 +69,9 @@ class DeviceConfig:
     """torch intra-op threads on CPU; default: the cores this process may use."""
     seed: int = 0
     """Seed of the global RNG that unseeded sampling uses."""
+    cpu_linear: CpuLinear = CpuLinear.auto
+    """Linear layers on CPU: onednn (weights pre-packed once for oneDNN, ~1.4-2x faster fp32 GEMM/GEMV
+    on AVX2), aten (torch's F.linear) or auto (onednn for fp32 models when torch has it)."""
 
 
 @dataclass
@@ -147,11 +156,22 @@ class SchedulerConfig:
 
 @dataclass
 class CudaGraphConfig:
-    """CUDA graphs for decode (GPU only; ignored on CPU)."""
+    """CUDA graphs for decode: one graph captured per batch-size bucket at start, replayed for
+    decode batches padded to the smallest bucket that holds them (GPU only)."""
 
-    enabled: bool = True
+    enabled: Optional[bool] = None
+    """null (auto): on when the device is CUDA and the attention backend supports CUDA graphs,
+    off otherwise (always off on CPU, and on a PD prefill server, which never decodes). true on a
+    CPU device, or with a backend without support, is a start-up error."""
     max_batch_size: int = 160
-    """Largest captured batch; bigger batches run eagerly."""
+    """Largest captured bucket; larger decode batches run eagerly. Also capped by the running
+    request limit (a bucket for the cap itself is added so every runnable batch fits one)."""
+    batch_sizes: Optional[list[int]] = None
+    """The buckets to capture; null: 1, 2, 4, then every 8 up to ``max_batch_size``. Each bucket
+    costs capture time at start and some GPU memory; a batch pads up to the next bucket."""
+    num_warmup_runs: int = 2
+    """Eager runs of each bucket before its capture (lazy planning, kernel compilation and
+    autotuning must happen outside the graph)."""
 
 
 @dataclass

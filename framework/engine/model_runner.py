@@ -16,10 +16,12 @@ import torch
 
 from framework.config.loader import validate_options
 from framework.config.schema import PlugserveConfig
+from framework.engine.cuda_graph_runner import CudaGraphRunner, maybe_create_cuda_graph_runner
 from framework.engine.forward_batch import ForwardBatch
 from framework.errors import ConfigError
 from framework.memory.kv_allocator import PagedKVAllocator
 from framework.memory.kv_cache import KVCache
+from framework.models.cpu_linear import onednn_linear_available, pack_linear_layers
 from framework.models.loader import build_model, config_dtype, load_hf_config, resolve_dtype
 from framework.plugins import get_registry
 
@@ -68,6 +70,7 @@ class ModelRunner:
             self.hf_config, model_comp.factory, model_options, self.dtype, self.device, path, progress
         )
         self.vocab_size = int(self.hf_config.vocab_size)
+        self.linear_impl = self._pack_cpu_linears(settings.device.cpu_linear.value)
 
         self.plan = self._plan_memory()
         kv_dtype = self.dtype if settings.kv_cache.dtype.value == "auto" else getattr(
@@ -102,6 +105,24 @@ class ModelRunner:
             self.plan.total_tokens, self.plan.num_pages, self.plan.page_size,
             self.plan.max_running_requests, self.plan.context_len,
         )
+        # Last: capture needs the model, the KV cache, the request table and the backend. None on CPU.
+        self.cuda_graph_runner: CudaGraphRunner | None = maybe_create_cuda_graph_runner(self, settings.cuda_graph)
+
+    def _pack_cpu_linears(self, choice: str) -> str:
+        """Swap fp32 linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
+        if self.device.type != "cpu" or choice == "aten":
+            return "aten"
+        usable = onednn_linear_available() and self.dtype == torch.float32
+        if choice == "onednn" and not usable:
+            raise ConfigError(
+                "device.cpu_linear: onednn needs a float32 model and a torch build with oneDNN "
+                f"(model dtype {str(self.dtype).removeprefix('torch.')}, oneDNN available: "
+                f"{onednn_linear_available()}); allowed values: auto, onednn, aten"
+            )
+        if not usable:
+            return "aten"
+        pack_linear_layers(self.model)
+        return "onednn"
 
     # -- sizing ----------------------------------------------------------------------------
 
@@ -146,6 +167,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model; return float32 logits of the rows in ``batch.logits_indices``."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
+            return self.cuda_graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         if batch.logits_indices is not None:
@@ -166,4 +189,5 @@ class ModelRunner:
             "max_running_requests": self.plan.max_running_requests,
             "attention_backend": self.settings.attention.backend,
             "memory_pool": self.settings.memory_pool.name,
+            "cpu_linear": self.linear_impl,
         }

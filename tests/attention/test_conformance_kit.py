@@ -65,6 +65,16 @@ def test_torch_native_passes_the_whole_grid() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_cpu_paged_passes_the_whole_grid() -> None:
+    """Its C decode kernel on the fp32 cases; the half-type cases exercise its torch fallback."""
+    report = assert_conformant("cpu_paged")
+    assert len(report.results) == 3 * 2 * 3 * 2 * 3
+    decode_fp32 = [r for r in report.results if r.case.scenario == "decode" and r.case.dtype == torch.float32]
+    assert decode_fp32 and all(r.max_abs_err < 1e-5 for r in decode_fp32)
+    print(report)
+
+
+@pytest.mark.timeout(60)
 def test_example_plugin_backend_passes_by_registered_name(example_plugin_installed) -> None:
     report = assert_conformant("example_naive")
     assert report.backend == "example_naive"

@@ -83,3 +83,45 @@ def test_run_vllm_code_path_with_a_stub(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM(fail=True))
     assert _peer("vllm", lambda: run_vllm("/nowhere", reqs)) == {"skipped": "vllm failed: RuntimeError: no CPU backend"}
     assert agreement([[1, 2], [3]], [[1, 2], [4]]) == 0.5
+
+
+FAKE_VLLM_PACKAGE = '''
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos):
+        assert temperature == 0.0 and ignore_eos
+        self.max_tokens = max_tokens
+
+class _Out:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+class _Req:
+    def __init__(self, ids):
+        self.outputs = [_Out(ids)]
+
+class LLM:
+    def __init__(self, model, dtype, seed):
+        assert dtype == "float32"
+
+    def generate(self, prompts, params, use_tqdm):
+        # echo each prompt's first id max_tokens times: the caller must get them back in order
+        return [_Req([p["prompt_token_ids"][0]] * sp.max_tokens) for p, sp in zip(prompts, params)]
+'''
+
+
+def test_vllm_in_its_own_interpreter_plumbing(tmp_path: Path, monkeypatch) -> None:
+    """``--vllm-python``: the job goes to vllm_peer.py in a subprocess and the results come back in order.
+    A stand-in vllm package (vLLM needs its own venv) checks the plumbing, not vLLM."""
+    from framework.bench.compare import run_vllm_elsewhere
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM_PACKAGE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    reqs = [BenchRequest([20, 21], 3), BenchRequest([22, 23, 24], 2)]
+    tokens: list[list[int]] = []
+    fig = run_vllm_elsewhere(sys.executable, "some-model", reqs, tokens)
+    assert tokens == [[20, 20, 20], [22, 22]]
+    assert fig["output_tokens"] == 5 and fig["input_tokens"] == 5 and fig["output_throughput"] > 0
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "nowhere"))
+    with pytest.raises(RuntimeError, match="(?s)vllm_peer.py exited with 1.*No module named 'vllm'"):
+        run_vllm_elsewhere(sys.executable, "some-model", reqs)

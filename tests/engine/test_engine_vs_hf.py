@@ -136,6 +136,9 @@ SCHEDULER_VARIANTS = {
     "small_prefill_budget": ["scheduler.max_prefill_tokens=16"],
     "overlap": ["scheduler.overlap=true"],
     "overlap_chunked_page16": ["scheduler.overlap=true", "scheduler.chunked_prefill_size=8", "kv_cache.page_size=16"],
+    # The CPU defaults are the cpu_paged backend and oneDNN-packed linears; the reference paths too:
+    "torch_native_aten": ["attention.backend=torch_native", "device.cpu_linear=aten"],
+    "torch_native_page16": ["attention.backend=torch_native", "kv_cache.page_size=16"],
 }
 
 
@@ -146,6 +149,9 @@ def test_greedy_equal_under_scheduler_variants(cases, make_engine, variant, arch
     name, path, _, prompts, expected = cases.get(arch)
     eng = make_engine(path, *SCHEDULER_VARIANTS[variant])
     assert run_staggered(eng, prompts) == expected
+    want_backend = "torch_native" if variant.startswith("torch_native") else "cpu_paged"
+    assert eng.runner.attn_backend.__class__.__name__.lower().startswith(want_backend.replace("_", ""))
+    assert eng.runner.linear_impl == ("aten" if "device.cpu_linear=aten" in SCHEDULER_VARIANTS[variant] else "onednn")
     if variant != "radix_off":
         assert eng.scheduler.cache_hit_tokens > 0  # shared prefixes were reused
     else:

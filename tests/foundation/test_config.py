@@ -23,7 +23,7 @@ def test_defaults_and_preset():
     cfg = resolve()
     assert cfg.scheduler.policy == "fcfs"
     assert cfg.device.device.value == "cpu"
-    assert cfg.attention.backend == "torch_native"  # auto resolved for this device
+    assert cfg.attention.backend == "cpu_paged"  # auto resolved for this device (a C compiler is here)
     assert cfg.memory_pool.name == "standard"
     settings = to_settings(cfg)
     assert isinstance(settings, PlugserveConfig)
@@ -101,7 +101,7 @@ def test_config_show_cli(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     shown = yaml.safe_load(proc.stdout)
     assert shown["scheduler"]["max_prefill_tokens"] == 999
-    assert shown["attention"]["backend"] == "torch_native"
+    assert shown["attention"]["backend"] == "cpu_paged"
     proc = run_cli(["config", "show", *MODEL, "scheduler.chunked_prefil_size=3"])
     assert proc.returncode == 2
     assert "Did you mean \"chunked_prefill_size\"" in proc.stderr

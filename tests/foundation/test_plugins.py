@@ -13,7 +13,7 @@ from framework.hookspecs import hookimpl
 from tests.foundation.fake_dists import POOL_PLUGIN, REPO_ROOT, make_dist, plugins_json
 
 BUILTINS = {
-    "attention_backend": {"torch_native"},
+    "attention_backend": {"torch_native", "cpu_paged"},
     "memory_pool": {"standard", "decode_prealloc"},
     "model": {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"},
     "schedule_policy": {"fcfs", "lpm"},

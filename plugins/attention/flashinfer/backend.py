@@ -60,6 +60,11 @@ class _Plan:
     kv_last_page_len: torch.Tensor
     planned_for: tuple | None = None
     """The layer shape the wrapper was last planned for; a layer of another shape re-plans."""
+    graph_batch_size: int | None = None
+    """CUDA graphs: the bucket this plan captures (decode only); ``None`` for eager batches."""
+    replan: tuple[Any, tuple[int, ...], dict[str, Any]] | None = None
+    """CUDA graphs: the wrapper and the ``plan`` arguments other than the page table, recorded at
+    the warm-up run, so a replay can re-plan for the new page table before the graph runs."""
 
 
 def paged_kv_csr(
@@ -90,7 +95,17 @@ def paged_kv_csr(
 
 class FlashInferAttnBackend(AttentionBackend):
     """Attention over the paged KV cache with ``BatchPrefillWithPagedKVCacheWrapper`` (extend) and
-    ``BatchDecodeWithPagedKVCacheWrapper`` (decode). fp16/bf16 only, CUDA only."""
+    ``BatchDecodeWithPagedKVCacheWrapper`` (decode). fp16/bf16 only, CUDA only.
+
+    CUDA graphs: each captured bucket gets its own decode wrapper created with
+    ``use_cuda_graph=True`` over slices of pre-allocated ``kv_indptr`` / ``kv_indices`` /
+    ``kv_last_page_len`` buffers (flashinfer fixes a graph wrapper's batch size). ``plan`` runs on
+    the host, so it is never captured: the warm-up run plans (and records the layer shape), and
+    each replay re-plans, which copies the new page table into those buffers in place. All layers
+    must share one attention shape (one plan per forward).
+    """
+
+    supports_cuda_graph = True
 
     def __init__(self, runner: Any, options: FlashInferOptions | None = None) -> None:
         self.device = torch.device(runner.device)
@@ -112,6 +127,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self.workspace = torch.empty(self.options.workspace_mb << 20, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._decode_wrappers: dict[bool, Any] = {}
+        # CUDA-graph state (init_cuda_graph_state): the page-table buffers the graph wrappers read.
+        self._graph_kv_indptr: torch.Tensor | None = None
+        self._graph_kv_indices: torch.Tensor | None = None
+        self._graph_last_page_len: torch.Tensor | None = None
+        self._graph_wrappers: dict[tuple[int, bool], Any] = {}
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -129,6 +149,53 @@ class FlashInferAttnBackend(AttentionBackend):
                 self.workspace, "NHD", use_tensor_cores=use_tensor_cores
             )
         return self._decode_wrappers[use_tensor_cores]
+
+    # --- CUDA graphs ---------------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_batch_size: int, max_context_len: int) -> None:
+        dev = self.device
+        self._graph_kv_indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev)
+        # Enough page indices for max_batch_size requests of max_context_len tokens at page size 1
+        # (int32: 4 bytes x buckets x context, tens of MB at most).
+        self._graph_kv_indices = torch.zeros(max_batch_size * max_context_len, dtype=torch.int32, device=dev)
+        self._graph_last_page_len = torch.ones(max_batch_size, dtype=torch.int32, device=dev)
+
+    def _graph_wrapper(self, batch_size: int, use_tensor_cores: bool) -> Any:
+        key = (batch_size, use_tensor_cores)
+        if key not in self._graph_wrappers:
+            assert self._graph_kv_indptr is not None and self._graph_kv_indices is not None
+            assert self._graph_last_page_len is not None, "init_cuda_graph_state first"
+            # Buckets share the buffers (slices of one allocation): only one graph runs at a time,
+            # and every replay re-plans, which rewrites them.
+            self._graph_wrappers[key] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=use_tensor_cores,
+                paged_kv_indptr_buffer=self._graph_kv_indptr[: batch_size + 1],
+                paged_kv_indices_buffer=self._graph_kv_indices,
+                paged_kv_last_page_len_buffer=self._graph_last_page_len[:batch_size],
+            )
+        return self._graph_wrappers[key]
+
+    def _page_table(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return paged_kv_csr(
+            fb.req_to_token, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_cpu), fb.kv_cache.page_size
+        )
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        kv_indptr, kv_indices, last_page_len = self._page_table(forward_batch)
+        forward_batch.attn_metadata = _Plan(
+            True, None, kv_indptr, kv_indices, last_page_len, graph_batch_size=forward_batch.batch_size
+        )
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch, real_batch_size: int) -> None:
+        plan: _Plan = forward_batch.attn_metadata
+        if plan.replan is None:
+            return  # the model has no attention layer that planned during warm-up
+        kv_indptr, kv_indices, last_page_len = self._page_table(forward_batch)
+        wrapper, args, kwargs = plan.replan
+        wrapper.plan(kv_indptr, kv_indices, last_page_len, *args, **kwargs)
 
     # --- per-batch metadata ---------------------------------------------------------------------
 
@@ -211,23 +278,29 @@ class FlashInferAttnBackend(AttentionBackend):
         if save_kv_cache:
             cache.store(layer.layer_id, forward_batch.out_cache_loc, k, v)
         group = layer.num_heads // layer.num_kv_heads
-        wrapper = self._decode_wrapper(group >= self.options.decode_tensor_cores_min_group)
+        use_tensor_cores = group >= self.options.decode_tensor_cores_min_group
+        if plan.graph_batch_size is not None:
+            wrapper = self._graph_wrapper(plan.graph_batch_size, use_tensor_cores)
+        else:
+            wrapper = self._decode_wrapper(use_tensor_cores)
         shape = ("decode", id(wrapper), layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling, q.dtype)
         if plan.planned_for != shape:
-            wrapper.plan(
-                plan.kv_indptr,
-                plan.kv_indices,
-                plan.kv_last_page_len,
-                layer.num_heads,
-                layer.num_kv_heads,
-                layer.head_dim,
-                cache.page_size,
-                pos_encoding_mode="NONE",
-                q_data_type=q.dtype,
-                kv_data_type=cache.dtype,
-                sm_scale=layer.scaling,
+            if plan.graph_batch_size is not None and plan.planned_for is not None:
+                raise RuntimeError(
+                    "flashinfer: CUDA graphs need every attention layer to have the same shape "
+                    f"(heads, kv heads, head dim, scale); got {plan.planned_for[2:]} and {shape[2:]}. "
+                    "Set cuda_graph.enabled=false for this model"
+                )
+            # Positional as flashinfer documents them: (page table, num_qo_heads, num_kv_heads,
+            # head_dim, page_size).
+            args = (layer.num_heads, layer.num_kv_heads, layer.head_dim, cache.page_size)
+            kwargs: dict[str, Any] = dict(
+                pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=cache.dtype, sm_scale=layer.scaling
             )
+            wrapper.plan(plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, *args, **kwargs)
             plan.planned_for = shape
+            if plan.graph_batch_size is not None:
+                plan.replan = (wrapper, args, kwargs)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         out = wrapper.run(q, self._paged(layer, forward_batch))
         return out.view(-1, layer.num_heads * layer.head_dim)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.attention.base import Attention, AttentionBackend
+from framework.errors import ConfigError
 
 if TYPE_CHECKING:
     from framework.engine.forward_batch import ForwardBatch
@@ -32,6 +33,11 @@ class TorchNativeOptions:
     over the cap is split into groups of requests under it, which bounds the reused gather buffers
     at ``2 x cap x kv_heads x head_dim`` elements (512 MiB for 8 kv heads of 128 in fp32). One
     group (64 requests of 1k tokens fit) is the fast case."""
+    cuda_graph_gather_tokens: int = 1 << 20
+    """CUDA graphs only: a captured decode gathers a fixed ``bucket x max_len`` padded buffer (no
+    data-dependent shapes in a graph), with ``max_len = this / largest bucket`` (at most the
+    longest context). Batches with a longer request run eagerly. The static gather buffers take
+    ``2 x this x kv_heads x head_dim`` elements (4 GiB for 8 kv heads of 128 in bf16)."""
 
 
 @dataclass
@@ -54,6 +60,8 @@ class _DecodeGroup:
     """``[size * max_len]`` KV slots, padded positions pointing at slot 0 (the padding page)."""
     mask: torch.Tensor
     """``[size, 1, 1, max_len]`` bool, True where a position is inside the request's context."""
+    graph: bool = False
+    """Built for a CUDA graph: gathers into the static graph buffers (never reallocated)."""
 
 
 def _sdpa(
@@ -83,7 +91,13 @@ class TorchNativeAttnBackend(AttentionBackend):
     Reads, per batch: ``req_pool_indices``, ``seq_lens``, ``seq_lens_cpu`` and ``req_to_token``;
     for extend also ``extend_seq_lens_cpu`` or ``extend_prefix_lens_cpu`` (one is derived from the
     other and ``seq_lens_cpu``). Writes new K/V to ``kv_cache`` at ``out_cache_loc``.
+
+    CUDA graphs: decode is captured as one group of fixed width ``graph_max_len`` (see
+    ``cuda_graph_gather_tokens``) whose slot table and mask are refreshed in place before a replay;
+    the eager path's grouping by actual lengths is data-dependent and cannot be captured.
     """
+
+    supports_cuda_graph = True
 
     def __init__(self, runner: Any, options: TorchNativeOptions | None = None) -> None:
         # Of the runner only the device is needed: the cache and the request table come with each
@@ -94,6 +108,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         # up as ~2x slower decode on CPU.
         self._gather_k: torch.Tensor | None = None
         self._gather_v: torch.Tensor | None = None
+        # CUDA-graph state (init_cuda_graph_state): fixed-shape slot table, mask and gather buffers.
+        self._graph_max_len = 0
+        self._graph_slots: torch.Tensor | None = None
+        self._graph_valid: torch.Tensor | None = None
+        self._graph_positions: torch.Tensor | None = None
+        self._graph_gather_k: torch.Tensor | None = None
+        self._graph_gather_v: torch.Tensor | None = None
 
     # --- per-batch metadata ---------------------------------------------------------------------
 
@@ -158,6 +179,58 @@ class TorchNativeAttnBackend(AttentionBackend):
         # padding slot so the gather never reads out of range.
         slots = torch.where(valid, slots, torch.zeros_like(slots)).reshape(-1)
         return _DecodeGroup(start, end - start, max_len, slots, valid[:, None, None, :])
+
+    # --- CUDA graphs ---------------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_batch_size: int, max_context_len: int) -> None:
+        self._graph_max_len = min(max_context_len, self.options.cuda_graph_gather_tokens // max_batch_size)
+        if self._graph_max_len < 1:
+            raise ConfigError(
+                f"attention.options.cuda_graph_gather_tokens: {self.options.cuda_graph_gather_tokens} is "
+                f"smaller than the largest CUDA-graph bucket ({max_batch_size}); raise it or lower "
+                "cuda_graph.max_batch_size"
+            )
+        n = max_batch_size * self._graph_max_len
+        self._graph_slots = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self._graph_valid = torch.zeros(max_batch_size, self._graph_max_len, dtype=torch.bool, device=self.device)
+        self._graph_positions = torch.arange(self._graph_max_len, device=self.device)
+
+    def can_replay_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
+        return max(forward_batch.seq_lens_cpu) <= self._graph_max_len
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        bs, width = forward_batch.batch_size, self._graph_max_len
+        assert self._graph_slots is not None and self._graph_valid is not None, "init_cuda_graph_state first"
+        self._refresh_graph_tables(forward_batch)
+        forward_batch.attn_metadata = [
+            _DecodeGroup(0, bs, width, self._graph_slots[: bs * width], self._graph_valid[:bs, None, None, :], True)
+        ]
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch, real_batch_size: int) -> None:
+        self._refresh_graph_tables(forward_batch)
+
+    def _refresh_graph_tables(self, fb: ForwardBatch) -> None:
+        """Write the batch's slot table and mask into the static buffers (eager, before a replay)."""
+        assert self._graph_slots is not None and self._graph_valid is not None and self._graph_positions is not None
+        bs, width = fb.batch_size, self._graph_max_len
+        valid = self._graph_positions[None, :] < fb.seq_lens[:, None]
+        slots = fb.req_to_token[fb.req_pool_indices, :width].long()
+        # Positions past a request's length hold stale table entries: point them at padding slot 0.
+        self._graph_slots[: bs * width].copy_(torch.where(valid, slots, torch.zeros_like(slots)).reshape(-1))
+        self._graph_valid[:bs].copy_(valid)
+
+    def _graph_gather_buffers(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Static gather buffers for captured decode, allocated once at full size (during the
+        warm-up, which runs before any capture) so their address never changes."""
+        if self._graph_gather_k is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("torch_native: graph gather buffers must be allocated in the warm-up run")
+            assert self._graph_slots is not None
+            shape = (self._graph_slots.shape[0], *like.shape[1:])
+            self._graph_gather_k = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self._graph_gather_v = torch.empty(shape, dtype=like.dtype, device=like.device)
+        assert self._graph_gather_v is not None
+        return self._graph_gather_k[:n], self._graph_gather_v[:n]
 
     # --- attention ----------------------------------------------------------------------------
 
@@ -233,7 +306,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = q.new_empty(bs, kv_heads, group, head_dim)
         for g in forward_batch.attn_metadata:
             n = g.size * g.max_len
-            kb, vb = self._gather_buffers(n, k_cache)
+            kb, vb = self._graph_gather_buffers(n, k_cache) if g.graph else self._gather_buffers(n, k_cache)
             torch.index_select(k_cache, 0, g.slots, out=kb)
             torch.index_select(v_cache, 0, g.slots, out=vb)
             kg = kb.view(g.size, g.max_len, kv_heads, head_dim).transpose(1, 2).to(q.dtype)

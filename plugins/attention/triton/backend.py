@@ -64,7 +64,14 @@ class _Meta:
 
 class TritonAttnBackend(AttentionBackend):
     """Paged attention with :mod:`plugins.attention.triton.kernels`; fp32, fp16 and bf16; any page
-    size; GQA; head dims that are powers of two (64, 128, ...)."""
+    size; GQA; head dims that are powers of two (64, 128, ...).
+
+    CUDA graphs: the kernels read lengths and request rows from device memory and their grids
+    depend only on the batch size (decode: one query per request), so a captured decode needs
+    nothing but static length buffers, refreshed in place before a replay.
+    """
+
+    supports_cuda_graph = True
 
     def __init__(self, runner: Any, options: TritonOptions | None = None) -> None:
         self.device = torch.device(runner.device)
@@ -81,6 +88,10 @@ class TritonAttnBackend(AttentionBackend):
             if value < 16 or value & (value - 1):
                 raise ConfigError(f"attention.options.{name}: {value} must be a power of two >= 16")
         self.kernels = _load_kernels()
+        # CUDA-graph state (init_cuda_graph_state): int32 lengths read by the captured kernels.
+        self._graph_seq_lens: torch.Tensor | None = None
+        self._graph_prefix_lens: torch.Tensor | None = None
+        self._graph_q_starts: torch.Tensor | None = None
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -118,6 +129,35 @@ class TritonAttnBackend(AttentionBackend):
             t(q_starts),
             max(q_lens, default=0),
         )
+
+    # --- CUDA graphs ---------------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_batch_size: int, max_context_len: int) -> None:
+        def buf() -> torch.Tensor:
+            return torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+
+        self._graph_seq_lens, self._graph_prefix_lens = buf(), buf()
+        # Decode: request i's query is row i of q.
+        self._graph_q_starts = torch.arange(max_batch_size, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        assert self._graph_seq_lens is not None and self._graph_prefix_lens is not None, "init_cuda_graph_state first"
+        assert self._graph_q_starts is not None
+        bs = forward_batch.batch_size
+        self.init_forward_metadata_replay_cuda_graph(forward_batch, bs)
+        forward_batch.attn_metadata = _Meta(
+            forward_batch.req_pool_indices,  # the runner's static buffer already
+            self._graph_seq_lens[:bs],
+            self._graph_prefix_lens[:bs],
+            self._graph_q_starts[:bs],
+            1,
+        )
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch, real_batch_size: int) -> None:
+        assert self._graph_seq_lens is not None and self._graph_prefix_lens is not None
+        bs = forward_batch.batch_size
+        self._graph_seq_lens[:bs].copy_(forward_batch.seq_lens)
+        torch.sub(self._graph_seq_lens[:bs], 1, out=self._graph_prefix_lens[:bs])
 
     # --- kernels ------------------------------------------------------------------------------
 

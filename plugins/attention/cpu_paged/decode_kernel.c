@@ -1,0 +1,139 @@
+/*
+ * Paged decode attention on CPU, reading each request's K/V in place through its page table.
+ *
+ * Why a kernel: the torch path gathers every request's K/V into a padded buffer before SDPA reads
+ * it again, so a decode step moves the whole KV context three times (read, write, read). Decode on
+ * CPU is memory-bound, so reading it once is most of the win.
+ *
+ * Layout (what plugserve's KVCache and request pool hold):
+ *   q        [bs, num_heads, head_dim]            float32, contiguous
+ *   k, v     [num_slots, kv_heads, head_dim]      float32, contiguous (one layer)
+ *   table    [rows, table_stride]                 int32 slot of each token of each request row
+ *   rows     [bs] int64 request row per query;  lens [bs] int64 context length per query
+ *   out      [bs, num_heads, head_dim]            float32
+ * Query heads h*group .. h*group+group-1 share kv head h (GQA), so each K/V row is read once for
+ * the whole group. Work items (a request, or one kv head of it) are split over threads by token count.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const float *q, *k, *v;
+    float *out;
+    const int32_t *table;
+    const int64_t *rows, *lens;
+    int64_t table_stride, num_heads, kv_heads, head_dim, max_len;
+    float scale;
+    int64_t heads_per_item, item_begin, item_end;
+    int status;
+} job_t;
+
+/* Plain loops: compiled with -O3 and reassociation allowed, gcc turns them into FMA vector code. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+static void *run_items(void *arg) {
+    job_t *j = (job_t *)arg;
+    const int64_t d = j->head_dim, group = j->num_heads / j->kv_heads, hpi = j->heads_per_item;
+    const int64_t per_req = j->kv_heads / hpi;
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(hpi * group * (j->max_len > 0 ? j->max_len : 1)));
+    if (!scores) {
+        j->status = 1;
+        return NULL;
+    }
+    for (int64_t item = j->item_begin; item < j->item_end; ++item) {
+        const int64_t b = item / per_req, h0 = (item % per_req) * hpi, len = j->lens[b];
+        const int32_t *slots = j->table + j->rows[b] * j->table_stride;
+        /* query heads h0*group .. (h0+hpi)*group-1 are contiguous in q and out */
+        const float *qh = j->q + (b * j->num_heads + h0 * group) * d;
+        float *oh = j->out + (b * j->num_heads + h0 * group) * d;
+        const int64_t nq = hpi * group;
+        memset(oh, 0, sizeof(float) * (size_t)(nq * d));
+        if (len <= 0) continue;
+        /* pass 1: scores; one token's K row (all its kv heads) is contiguous, so read it whole */
+        for (int64_t t = 0; t < len; ++t) {
+            const float *kr = j->k + ((int64_t)slots[t] * j->kv_heads + h0) * d;
+            for (int64_t qi = 0; qi < nq; ++qi) scores[qi * len + t] = dot(qh + qi * d, kr + (qi / group) * d, d) * j->scale;
+        }
+        /* softmax per query head, max-subtracted like SDPA */
+        for (int64_t qi = 0; qi < nq; ++qi) {
+            float *s = scores + qi * len, m = s[0], sum = 0.0f;
+            for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
+            for (int64_t t = 0; t < len; ++t) {
+                s[t] = expf(s[t] - m);
+                sum += s[t];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+        }
+        /* pass 2: weighted sum of the values */
+        for (int64_t t = 0; t < len; ++t) {
+            const float *vr = j->v + ((int64_t)slots[t] * j->kv_heads + h0) * d;
+            for (int64_t qi = 0; qi < nq; ++qi) axpy(oh + qi * d, scores[qi * len + t], vr + (qi / group) * d, d);
+        }
+    }
+    free(scores);
+    return NULL;
+}
+
+#define MAX_THREADS 64
+
+/* Returns 0 on success, non-zero when memory or a thread could not be had. */
+int paged_decode_attention(const float *q, const float *k, const float *v, float *out, const int32_t *table,
+                           int64_t table_stride, const int64_t *rows, const int64_t *lens, int64_t bs,
+                           int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t num_threads) {
+    if (bs <= 0) return 0;
+    if (kv_heads <= 0 || num_heads % kv_heads != 0) return 2;
+    int64_t max_len = 0, total = 0;
+    for (int64_t b = 0; b < bs; ++b) {
+        max_len = lens[b] > max_len ? lens[b] : max_len;
+        total += lens[b] + 1;
+    }
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    /* Whole requests per item when there are enough of them (each K/V row is read in one piece);
+     * one kv head per item for small batches, so that every thread has work. */
+    const int64_t hpi = bs >= 4 * num_threads ? kv_heads : 1, per_req = kv_heads / hpi;
+    const int64_t items = bs * per_req;
+    if (num_threads > items) num_threads = items;
+    job_t jobs[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    /* Balance by tokens: thread i takes items until its share of the total context is reached. */
+    int64_t item = 0, acc = 0;
+    for (int64_t i = 0; i < num_threads; ++i) {
+        const int64_t goal = total * per_req * (i + 1) / num_threads;
+        job_t *j = &jobs[i];
+        *j = (job_t){q, k, v, out, table, rows, lens, table_stride, num_heads, kv_heads, head_dim, max_len,
+                     scale, hpi, item, item, 0};
+        while (item < items && (acc < goal || i == num_threads - 1)) {
+            acc += lens[item / per_req] + 1;
+            ++item;
+        }
+        j->item_end = item;
+    }
+    int status = 0;
+    for (int64_t i = 1; i < num_threads; ++i) {
+        if (jobs[i].item_begin == jobs[i].item_end) continue;
+        if (pthread_create(&threads[i], NULL, run_items, &jobs[i]) == 0) {
+            started[i] = 1;
+        } else {
+            run_items(&jobs[i]); /* no thread to be had: do its share here */
+        }
+    }
+    run_items(&jobs[0]);
+    for (int64_t i = 1; i < num_threads; ++i)
+        if (started[i]) pthread_join(threads[i], NULL);
+    for (int64_t i = 0; i < num_threads; ++i) status |= jobs[i].status;
+    return status;
+}

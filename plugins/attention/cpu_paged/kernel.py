@@ -1,0 +1,104 @@
+"""Build (once, cached) and call the C paged-decode kernel in ``decode_kernel.c``.
+
+The kernel is plain C with no torch headers, so building it takes about a second with the system C
+compiler, and calling it through ctypes releases the GIL. The shared object is cached under
+``$PLUGSERVE_CACHE_DIR`` (default ``~/.cache/plugserve``) keyed by a hash of the source, the flags
+and the CPU's feature flags, so a changed source or another machine never reuses a stale build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_kernel.c")
+# -march=native: the build happens on the machine that runs it. Reassociation lets gcc vectorise
+# the dot products (the result differs from SDPA's order by float rounding only); no -ffast-math,
+# so expf and inf/nan handling stay IEEE.
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
+          "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast", "-pthread"]
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel cannot be built or loaded here (no compiler, or the build failed)."""
+
+
+def compiler() -> str | None:
+    """The C compiler to use: ``$CC``, else ``cc`` / ``gcc`` / ``clang`` on PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PLUGSERVE_CACHE_DIR") or Path.home() / ".cache" / "plugserve") / "kernels"
+
+
+def _build_key(cc: str) -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join([cc, *CFLAGS]).encode())
+    try:  # -march=native depends on the CPU: a cache dir shared between machines must not mix builds
+        digest.update(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].encode())
+    except (OSError, IndexError):
+        pass
+    return digest.hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
+def load_kernel() -> ctypes.CDLL:
+    """Build the kernel if no cached build exists, load it and declare its signature."""
+    cc = compiler()
+    if cc is None:
+        raise KernelUnavailable("no C compiler found (set $CC or install gcc)")
+    target = cache_dir() / f"cpu_paged_decode-{_build_key(cc)}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build into a temporary name and rename: concurrent processes never load a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise KernelUnavailable(f"building {SOURCE.name} with {cc} failed:\n{proc.stderr.strip()}")
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.paged_decode_attention
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                           req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, scale: float,
+                           num_threads: int) -> None:
+    """Write softmax(q k^T * scale) v of each request's first ``lens[b]`` tokens into ``out``.
+
+    ``q``/``out`` ``[bs, heads, head_dim]`` fp32; ``k_cache``/``v_cache`` ``[slots, kv_heads,
+    head_dim]`` fp32; ``req_to_token`` ``[rows, stride]`` int32; ``rows``/``lens`` ``[bs]`` int64.
+    Every tensor must be contiguous on the CPU (checked: a wrong layout would read garbage).
+    """
+    for name, t, dtype in (("q", q, torch.float32), ("k_cache", k_cache, torch.float32),
+                           ("v_cache", v_cache, torch.float32), ("out", out, torch.float32),
+                           ("req_to_token", req_to_token, torch.int32), ("rows", rows, torch.int64),
+                           ("lens", lens, torch.int64)):
+        if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: need a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    bs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    status = load_kernel().paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), req_to_token.data_ptr(),
+        req_to_token.shape[1], rows.data_ptr(), lens.data_ptr(), bs, num_heads, kv_heads, head_dim,
+        float(scale), num_threads,
+    )
+    if status != 0:
+        raise RuntimeError(f"paged_decode_attention failed with status {status} (out of memory or bad head counts)")
