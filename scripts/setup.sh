@@ -22,4 +22,10 @@ fi
 # are the KV transfer libraries the PD tests use.
 .venv/bin/python -m pip install -q -e ".[test,bench,triton,mooncake,nixl]"
 .venv/bin/python -m pip install -q --no-deps -e tests/plugins/plugserve-example-plugin
+# sglang-router (prebuilt wheel) in its own venv, so its dependencies never meet plugserve's: the PD
+# tests check that it can front plugserve's prefill and decode servers ($SGLANG_ROUTER_PYTHON).
+if [ "${PLUGSERVE_SKIP_SGLANG_ROUTER:-0}" != 1 ]; then
+  [ -x .venv-sglang-router/bin/python ] || "$PY" -m venv .venv-sglang-router
+  .venv-sglang-router/bin/python -m pip install -q "sglang-router==0.3.2"
+fi
 echo "plugserve is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -4,6 +4,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh || exit 1
+if [ -x .venv-sglang-router/bin/python ] && [ -z "${SGLANG_ROUTER_PYTHON:-}" ]; then
+  export SGLANG_ROUTER_PYTHON="$PWD/.venv-sglang-router/bin/python"
+fi
 .venv/bin/python -m pytest -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

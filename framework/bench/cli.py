@@ -40,12 +40,16 @@ def add_bench_commands(sub: Any) -> None:
 
     # Commands defined in their own modules (imports stay light: argparse only until run).
     from framework.bench.compare import add_compare_command
+    from framework.bench.pd import add_pd_command
     from framework.bench.plot import add_plot_command
     from framework.bench.serving import add_serve_command
+    from framework.bench.transfer import add_transfer_command
 
     add_serve_command(bench_sub, output_args)
     add_plot_command(bench_sub)
     add_compare_command(bench_sub, common)
+    add_transfer_command(bench_sub, output_args)
+    add_pd_command(bench_sub, common)
 
 
 def output_args(p: argparse.ArgumentParser) -> None:

@@ -183,5 +183,17 @@ class TransferBackend(ABC):
         """Forget the room (after its final state; its pages are the caller's again). Releasing
         an unknown room is a no-op."""
 
+    def quiescent(self, room: int) -> bool:
+        """False while the backend may still touch the room's pages (the sender reading its
+        source pages, the receiver writing its destination pages), even after the room failed
+        or was released. The schedulers keep such pages out of reuse until it turns True.
+        Backends that cannot tell answer True (no quarantine)."""
+        return True
+
+    def link_error(self) -> str | None:
+        """Why the link to the peer is gone for good (the peer died or closed it), or None while
+        it is usable or the backend cannot tell. The schedulers then build a fresh backend."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional
         """Stop threads and free transport resources."""

@@ -113,6 +113,11 @@ class BootstrapService:
         with self._lock:
             return self._rooms.pop(room, None)
 
+    def clear_rooms(self) -> None:
+        """Forget every posted destination (their decode peer is gone)."""
+        with self._lock:
+            self._rooms.clear()
+
     def num_rooms(self) -> int:
         with self._lock:
             return len(self._rooms)
@@ -197,8 +202,9 @@ class BootstrapClient:
     def register(self, role: str, rank: int, endpoint: dict[str, Any]) -> None:
         self._http.post("/register", json={"role": role, "rank": rank, "endpoint": endpoint}).raise_for_status()
 
-    def endpoints(self, role: str = "prefill") -> dict[int, dict[str, Any]]:
-        resp = self._http.get("/endpoints", params={"role": role})
+    def endpoints(self, role: str = "prefill", timeout_s: float | None = None) -> dict[int, dict[str, Any]]:
+        kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
+        resp = self._http.get("/endpoints", params={"role": role}, **kwargs)
         resp.raise_for_status()
         return {int(k): v for k, v in resp.json()["endpoints"].items()}
 

@@ -190,4 +190,5 @@ class ModelRunner:
             "attention_backend": self.settings.attention.backend,
             "memory_pool": self.settings.memory_pool.name,
             "cpu_linear": self.linear_impl,
+            "cuda_graph_batch_sizes": self.cuda_graph_runner.sizes if self.cuda_graph_runner else None,
         }

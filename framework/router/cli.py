@@ -16,6 +16,8 @@ def add_router_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout towards the servers")
+    p.add_argument("--eject-s", type=float, default=2.0,
+                   help="how long a decode server that refused a connection is tried last")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_router)
 
@@ -26,6 +28,6 @@ def cmd_router(args: argparse.Namespace) -> int:
     from framework.router.app import RouterConfig, build_app, parse_prefill_args
 
     cfg = RouterConfig(parse_prefill_args(args.prefill, DEFAULT_BOOTSTRAP_PORT),
-                       [d.rstrip("/") for d in args.decode], args.timeout_s)
+                       [d.rstrip("/") for d in args.decode], args.timeout_s, args.eject_s)
     uvicorn.run(build_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
     return 0

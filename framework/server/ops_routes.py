@@ -85,6 +85,12 @@ async def server_info(request: Request) -> Response:
         "config": server.public_config(),
         **data,
     }
+    # SGLang's /server_info is flat (``model_path`` at the top) and sglang-router reads it into a
+    # typed struct: a ``model`` object there makes it give up on the whole reply (the worker's model
+    # id then shows as "unknown"), so the model's description goes under ``model_info``.
+    if isinstance(body.get("model"), dict):
+        body["model_info"] = body.pop("model")
+        body.setdefault("model_path", body["model_info"].get("model_path"))
     return JSONResponse(body)
 
 

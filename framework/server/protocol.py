@@ -29,7 +29,18 @@ class StreamOptions(StrictModel):
     """Accepted for compatibility; plugserve never pads chunks."""
 
 
-class SGLangExtras(StrictModel):
+class SGLangRequestFlags(StrictModel):
+    """Fields that SGLang's own request structs always serialize, so clients built on them send
+    them on every request (sglang-router in ``--pd-disaggregation`` mode does, with their
+    defaults). Flags for features plugserve lacks accept their default value only, so asking for
+    the feature is still a 400 that names the field."""
+
+    return_hidden_states: Literal[False] = False
+    no_stop_trim: Literal[False] = False
+    """SGLang: keep the matched stop string in the output (plugserve always trims it)."""
+
+
+class SGLangExtras(SGLangRequestFlags):
     """Sampling fields beyond OpenAI's that SGLang's OpenAI routes accept."""
 
     top_k: int | None = None
@@ -121,6 +132,10 @@ class ChatCompletionRequest(OpenAISampling):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    continue_final_message: Literal[False] = False
+    separate_reasoning: bool | None = None
+    """SGLang's reasoning-parser switches (sglang-router sends them): no effect without a parser."""
+    stream_reasoning: bool | None = None
 
 
 class GenerateRequest(StrictModel):
@@ -143,6 +158,15 @@ class GenerateRequest(StrictModel):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = Field(default=None, description="PD disaggregation (set by the router)")
+    # SGLang's GenerateReqInput fields that sglang-router always sends (see SGLangRequestFlags)
+    model: str | None = None
+    """Ignored: a plugserve server serves one model."""
+    log_metrics: bool = True
+    no_logs: bool = False
+    background: Literal[False] = False
+    return_hidden_states: Literal[False] = False
+    return_bytes: Literal[False] = False
+    return_entropy: Literal[False] = False
 
 
 class AbortRequest(StrictModel):

@@ -67,3 +67,56 @@ def test_decode_with_unreachable_bootstrap_times_out_and_frees(model_path):
         assert "c" not in s.requests and not s.has_work()
     finally:
         e.scheduler.pd.close()
+
+
+def test_stalled_transfer_times_out_on_both_sides_and_quarantines(model_path):
+    """A send that stalls after its header (the nccl backend's testing-only ``test_stall_rooms``)
+    fails on both sides with "transfer timed out" after ``transfer_timeout_s``. The decode side's
+    pages stay quarantined (held, not reusable) while the late sender may still write them, and
+    are freed once it stopped; afterwards a new request goes through."""
+    port = free_port()
+    stall = ["disaggregation.bootstrap_timeout_s=10", "disaggregation.transfer_timeout_s=1",
+             "disaggregation.transfer_options.timeout_s=10",
+             "disaggregation.transfer_options.test_stall_rooms=[77]", "disaggregation.transfer_options.test_stall_s=3"]
+    p = engine(model_path, "prefill", port, *stall)
+    d = engine(model_path, "decode", free_port(), "memory_pool.name=decode_prealloc", *stall)
+    try:
+        ps, ds = p.scheduler, d.scheduler
+        ps.add_request(make_req("p77", list(range(10, 50)), 4, "127.0.0.1", port, 77))
+        ds.add_request(make_req("d77", list(range(10, 50)), 4, "127.0.0.1", port, 77))
+        errors: dict[str, str] = {}
+        held_while_stalled = False
+        deadline = time.monotonic() + 30
+        while len(errors) < 2:
+            assert time.monotonic() < deadline, f"no failure on both sides: {errors}"
+            for s in (ps, ds):
+                for o in s.step():
+                    if o.finished:
+                        errors[o.rid] = o.error or ""
+            if "d77" in errors and ds.pd.quarantine:
+                held_while_stalled = True
+                assert ds.leak_report()["held_by_requests"] > 0  # counted as held, not free
+        assert all("transfer timed out" in e for e in errors.values()), errors
+        assert held_while_stalled, "the decode pages were freed while the sender could still write them"
+        deadline = time.monotonic() + 15
+        while ps.has_work() or ds.has_work():  # the sender wakes up and finishes: quarantine ends
+            assert time.monotonic() < deadline, "the quarantine never ended"
+            ps.step()
+            ds.step()
+        assert_no_leak(p)
+        assert_no_leak(d)
+        # both sides keep serving over the same link
+        ps.add_request(make_req("p78", list(range(20, 40)), 3, "127.0.0.1", port, 78))
+        ds.add_request(make_req("d78", list(range(20, 40)), 3, "127.0.0.1", port, 78))
+        done: dict[str, object] = {}
+        deadline = time.monotonic() + 30
+        while "d78" not in done:
+            assert time.monotonic() < deadline, "the request after the timeout did not finish"
+            for s in (ps, ds):
+                for o in s.step():
+                    if o.finished:
+                        done[o.rid] = o
+        assert done["d78"].error is None and done["d78"].finish_reason["type"] == "length"
+    finally:
+        p.scheduler.pd.close()
+        d.scheduler.pd.close()

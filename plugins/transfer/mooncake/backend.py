@@ -34,6 +34,9 @@ class MooncakeOptions:
     """RDMA device(s), e.g. mlx5_0 (empty for tcp)."""
     metadata_server: str = "P2PHANDSHAKE"
     """P2PHANDSHAKE exchanges segment metadata directly between peers."""
+    max_batch_size: int = 2048
+    """Most spans per ``batch_transfer_sync_write`` call: Mooncake 0.3.13 answers -1 to a batch of
+    more than 2048 entries, which a fragmented room (pages x layers x K/V) easily exceeds."""
 
 
 class MooncakeTransferBackend(TransferBackend):
@@ -104,12 +107,16 @@ class MooncakeTransferBackend(TransferBackend):
                 error = None
                 try:
                     spans = transfer_spans(self.layout, peer_layout, merge_page_runs(src, dst))
-                    ret = self.engine.batch_transfer_sync_write(
-                        self._peer["session"], [s.src_addr for s in spans], [s.dst_addr for s in spans],
-                        [s.nbytes for s in spans],
-                    ) if spans else 0
-                    if ret < 0:
-                        error = f"Mooncake batch_transfer_sync_write failed ({ret})"
+                    step = max(1, self.options.max_batch_size)
+                    for i in range(0, len(spans), step):
+                        batch = spans[i : i + step]
+                        ret = self.engine.batch_transfer_sync_write(
+                            self._peer["session"], [s.src_addr for s in batch], [s.dst_addr for s in batch],
+                            [s.nbytes for s in batch],
+                        )
+                        if ret < 0:
+                            error = f"Mooncake batch_transfer_sync_write failed ({ret}, {len(batch)} spans)"
+                            break
                 except Exception as exc:  # a broken peer must fail the room, not the thread
                     error = f"Mooncake transfer failed: {exc}"
                 notices.send(Notice(room, error is None, metadata if error is None else b"", error))

@@ -21,7 +21,8 @@ import datetime
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +54,11 @@ class NcclOptions:
     """torch.distributed backend: auto (nccl when the KV is on a GPU, else gloo), gloo or nccl."""
     timeout_s: float = 60.0
     """Timeout of the rendezvous and of each point-to-point operation."""
+    test_stall_rooms: list[int] = field(default_factory=list)
+    """Testing only (fault tests): rooms whose send pauses ``test_stall_s`` after the first buffer's
+    pages, as a stalled link would. Leave empty in production."""
+    test_stall_s: float = 0.0
+    """Testing only: how long a room in ``test_stall_rooms`` stalls."""
 
 
 class NcclTransferBackend(TransferBackend):
@@ -81,9 +87,12 @@ class NcclTransferBackend(TransferBackend):
         self._closed = False
         self._outbox: queue.Queue[tuple[int, list[tuple[int, int, int]], bytes] | None] = queue.Queue()
         self._peer_layout: KVLayout | None = None
+        self._peer: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
-        self._work: Any = None
-        """The point-to-point operation in progress (aborted by ``close``)."""
+        self._busy_room: int | None = None
+        """The room whose pages the worker is reading or writing right now (see ``quiescent``)."""
+        self._works: list[Any] = []
+        """The point-to-point operations in progress (aborted by ``close``)."""
         if role == "prefill":
             self._store = dist.TCPStore(options.store_host, options.store_port, 2, True,
                                         timeout=self._timeout, wait_for_workers=False)
@@ -104,8 +113,7 @@ class NcclTransferBackend(TransferBackend):
         """Join the peer: the prefill side is given the decode endpoint, and vice versa."""
         self._peer_layout = KVLayout.from_json(peer["layout"])
         check_compatible(self.layout, self._peer_layout)
-        if self.role == "decode":
-            self._store = dist.TCPStore(peer["host"], int(peer["port"]), 2, False, timeout=self._timeout)
+        self._peer = peer
         self._spawn(self._run)
 
     def _spawn(self, target: Any) -> None:
@@ -124,6 +132,9 @@ class NcclTransferBackend(TransferBackend):
 
     def _run(self) -> None:
         try:
+            if self.role == "decode":  # joining may wait up to the timeout: not on the caller's thread
+                self._store = dist.TCPStore(self._peer["host"], int(self._peer["port"]), 2, False,
+                                            timeout=self._timeout)
             self._pg = self._make_group()
             self._ready.set()
             if self.role == "prefill":
@@ -138,6 +149,7 @@ class NcclTransferBackend(TransferBackend):
     def _break(self, reason: str) -> None:
         with self._lock:
             self._broken = reason
+            self._busy_room = None  # the worker has stopped
             for task in self._tasks.values():
                 task.fail(reason)
         self._ready.set()
@@ -172,18 +184,31 @@ class NcclTransferBackend(TransferBackend):
                 task = self._tasks.get(room)
                 if task is None or task.state.final:  # released or timed out meanwhile
                     continue
-            self._send_room(room, runs, metadata)
+                self._busy_room = room
+            try:
+                self._send_room(room, runs, metadata)
+            finally:
+                with self._lock:
+                    self._busy_room = None
             with self._lock:
                 if not task.state.final:
                     task.advance(TransferState.success)
 
     def _p2p(self, tensor: torch.Tensor, send: bool) -> None:
+        self._p2p_many([tensor], send)
+
+    def _p2p_many(self, tensors: list[torch.Tensor], send: bool) -> None:
+        """Post every operation, then wait for them in order. A fragmented room has thousands of
+        page runs: waiting for each before posting the next costs a round trip per run (256 MB in
+        15808 runs took ~10 s on gloo), posted together they stream."""
         if self._closed:
             raise RuntimeError("the backend is closed")
-        work = self._pg.send([tensor], RECEIVER, 0) if send else self._pg.recv([tensor], SENDER, 0)
-        self._work = work
-        work.wait()
-        self._work = None
+        works = self._works = [
+            self._pg.send([t], RECEIVER, 0) if send else self._pg.recv([t], SENDER, 0) for t in tensors
+        ]
+        for work in works:
+            work.wait()
+        self._works = []
 
     def _send_room(self, room: int, runs: list[tuple[int, int, int]], metadata: bytes) -> None:
         header = torch.tensor([room, len(runs), len(metadata), PROTOCOL_VERSION], dtype=torch.int64)
@@ -191,9 +216,10 @@ class NcclTransferBackend(TransferBackend):
         if runs:
             self._p2p(torch.tensor(runs, dtype=torch.int64).flatten().to(self.device), send=True)
         bpp = self.layout.bytes_per_page
-        for buf in self.layout.buffers:
-            for src, _dst, n in runs:
-                self._p2p(buf[src * bpp : (src + n) * bpp], send=True)
+        for i, buf in enumerate(self.layout.buffers):
+            self._p2p_many([buf[src * bpp : (src + n) * bpp] for src, _dst, n in runs], send=True)
+            if i == 0 and room in self.options.test_stall_rooms:  # mid-pages: the receiver is writing
+                time.sleep(self.options.test_stall_s)
         if metadata:
             self._p2p(torch.frombuffer(bytearray(metadata), dtype=torch.uint8).to(self.device), send=True)
 
@@ -238,7 +264,13 @@ class NcclTransferBackend(TransferBackend):
                 ]
                 if dst_ok and task.state is TransferState.waiting_for_input:
                     task.advance(TransferState.transferring)
-            self._receive_pages(runs, into_kv=dst_ok)
+                if dst_ok:
+                    self._busy_room = room
+            try:
+                self._receive_pages(runs, into_kv=dst_ok)
+            finally:
+                with self._lock:
+                    self._busy_room = None
             meta = b""
             if meta_len:
                 buf = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
@@ -256,11 +288,9 @@ class NcclTransferBackend(TransferBackend):
         (the bytes must still be consumed to keep the stream in step)."""
         bpp = self.layout.bytes_per_page
         for buf in self.layout.buffers:
-            for _src, dst, n in runs:
-                view = buf[dst * bpp : (dst + n) * bpp] if into_kv else torch.empty(
-                    n * bpp, dtype=torch.uint8, device=self.device
-                )
-                self._p2p(view, send=False)
+            views = [buf[dst * bpp : (dst + n) * bpp] if into_kv
+                     else torch.empty(n * bpp, dtype=torch.uint8, device=self.device) for _src, dst, n in runs]
+            self._p2p_many(views, send=False)
 
     # -- both ------------------------------------------------------------------------------
 
@@ -283,6 +313,13 @@ class NcclTransferBackend(TransferBackend):
             self._expected.pop(room, None)
             self._metadata.pop(room, None)
 
+    def quiescent(self, room: int) -> bool:
+        with self._lock:
+            return self._busy_room != room
+
+    def link_error(self) -> str | None:
+        return self._broken
+
     @property
     def connected(self) -> bool:
         return self._ready.is_set() and self._broken is None
@@ -291,11 +328,10 @@ class NcclTransferBackend(TransferBackend):
         """Stop the worker: a blocked receive is aborted so no C++ thread outlives the backend."""
         self._closed = True
         self._outbox.put(None)
-        work = self._work
-        if work is not None:
+        for work in list(self._works):
             try:
                 work.abort()
             except Exception:  # best effort: the process is going away
-                logger.debug("aborting the pending %s operation failed", self.dist_backend, exc_info=True)
+                logger.debug("aborting a pending %s operation failed", self.dist_backend, exc_info=True)
         for t in self._threads:
             t.join(timeout=5)
