@@ -60,14 +60,58 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class PackedSwiGLU(nn.Module):
+    """``silu(x W_gate^T) * (x W_up^T)`` from a merged ``[gate; up]`` linear, as two packed GEMMs.
+
+    Why: the merged GEMM's output halves are strided views, and torch's ``silu`` on a strided view
+    measured 5x slower than on a contiguous tensor; here the gate GEMM applies SiLU as a oneDNN
+    post-op (almost free) and both halves come out contiguous.
+    """
+
+    def __init__(self, gate_up: nn.Linear) -> None:
+        super().__init__()
+        weight = gate_up.weight.detach()
+        half = weight.shape[0] // 2
+        self.in_features, self.out_features = gate_up.in_features, half
+        self.gate = torch.ops.mkldnn._reorder_linear_weight(weight[:half].contiguous(), _BATCH_SIZE_HINT)
+        self.up = torch.ops.mkldnn._reorder_linear_weight(weight[half:].contiguous(), _BATCH_SIZE_HINT)
+        bias = gate_up.bias
+        self.gate_bias = None if bias is None else bias.detach()[:half].contiguous()
+        self.up_bias = None if bias is None else bias.detach()[half:].contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, self.gate_bias, "swish", [], "")
+        return gate.mul_(torch.ops.mkldnn._linear_pointwise(x, self.up, self.up_bias, "none", [], ""))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (silu(gate) * up)"
+
+
+def _fuse_swiglu(model: nn.Module) -> int:
+    """Give MLPs that follow the ``gate_up_proj`` + ``act`` (:class:`SiluAndMul`) convention a
+    :class:`PackedSwiGLU`; other models are left as they are."""
+    from framework.models.layers import SiluAndMul
+
+    fused = 0
+    for module in model.modules():
+        gate_up, act = getattr(module, "gate_up_proj", None), getattr(module, "act", None)
+        if type(gate_up) is nn.Linear and type(act) is SiluAndMul and gate_up.weight.dtype == torch.float32:
+            module.gate_up_proj = PackedSwiGLU(gate_up)
+            module.act = nn.Identity()
+            fused += 1
+    return fused
+
+
 def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every fp32 ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; return how many.
+    """Replace every fp32 ``nn.Linear`` in ``model`` by a :class:`PackedLinear` (and merged SwiGLU
+    projections by a :class:`PackedSwiGLU`); return how many layers were replaced.
 
     Linear layers whose weight is shared with another module (a tied ``lm_head``) keep the shared
     dense weight; the others drop it, so packing does not double the model's memory.
     """
     shared = _shared_parameter_ids(model)
-    replaced = 0
+    replaced = _fuse_swiglu(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":

@@ -73,6 +73,10 @@ def _sdpa(
     scale: float,
 ) -> torch.Tensor:
     """SDPA over ``[..., heads, len, dim]`` where k/v may have fewer (grouped) heads than q."""
+    if q.dim() == 3:
+        # torch's CPU flash kernel only takes 4-D inputs; 3-D ones fall back to the unfused math
+        # path (measured 2.3x slower for a 128-token prefill, and it materialises the scores).
+        return _sdpa(q[None], k[None], v[None], None if mask is None else mask[None], is_causal, scale)[0]
     group = q.shape[-3] // k.shape[-3]
     if group == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)

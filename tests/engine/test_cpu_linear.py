@@ -1,0 +1,65 @@
+"""oneDNN-packed linear layers (``device.cpu_linear=onednn``) against torch's own ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.models.cpu_linear import PackedLinear, PackedSwiGLU, onednn_linear_available, pack_linear_layers
+from framework.models.layers import SiluAndMul
+
+pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
+
+
+class _MLP(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(24, 2 * 40, bias=bias)
+        self.down_proj = nn.Linear(40, 24, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class _Model(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 24)
+        self.mlp = _MLP(bias)
+        self.head = nn.Linear(24, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied, as tie_word_embeddings does
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mlp(self.embed(ids)))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_model_matches_torch(bias: bool, rows: int) -> None:
+    torch.manual_seed(rows)
+    model = _Model(bias)
+    ids = torch.randint(0, 50, (rows,))
+    with torch.no_grad():
+        expected = model(ids)
+        assert pack_linear_layers(model) == 3  # gate_up (fused with its activation), down, head
+        assert isinstance(model.mlp.gate_up_proj, PackedSwiGLU) and isinstance(model.mlp.act, nn.Identity)
+        assert isinstance(model.mlp.down_proj, PackedLinear) and model.mlp.down_proj.weight is None
+        # the tied head keeps the embedding's dense weight, which the embedding still reads
+        assert model.head.weight is model.embed.weight
+        got = model(ids)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (got - expected).abs().max()
+
+
+def test_packed_linear_takes_any_leading_shape() -> None:
+    lin = nn.Linear(16, 8)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert torch.allclose(PackedLinear(lin)(x), F.linear(x, lin.weight, lin.bias), atol=1e-6)
+
+
+def test_half_precision_layers_are_left_alone() -> None:
+    model = _Model(False).to(torch.bfloat16)
+    assert pack_linear_layers(model) == 0
