@@ -18,13 +18,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from framework.bench.datasets import add_dataset_args
+from framework.bench.datasets import BenchRequest, add_dataset_args
 from framework.bench.serving_metrics import RequestOutput, format_summary, summarize
 
 if TYPE_CHECKING:  # httpx is imported where used: the CLI imports this module to build its parser
     import httpx
-
-    from framework.bench.datasets import BenchRequest
 
 TIMEOUT_S = 6 * 3600.0
 """A whole benchmark request may queue for a long time behind others; only a dead server fails it."""
@@ -171,11 +169,22 @@ async def run_workload(base_url: str, requests: list[BenchRequest], backend: str
             return await send_generate(client, requests[i], headers)
 
         if warmup > 0 and requests:  # first requests pay for lazy initialisation on the server: keep them out
-            warm = await asyncio.gather(*(one(i % len(requests)) for i in range(warmup)))
+            # Reversed workload prompts: the same shapes, but no shared prefix for the radix cache
+            # to hand the measured requests.
+            async def warm_one(i: int) -> RequestOutput:
+                r = requests[i % len(requests)]
+                ids = list(reversed(r.input_ids))
+                if backend == "openai":
+                    text = prompts[i % len(requests)]
+                    prompt = text[::-1] if isinstance(text, str) else ids
+                    return await send_completion(client, BenchRequest(ids, r.output_len), headers, model or "", prompt)
+                return await send_generate(client, BenchRequest(ids, r.output_len), headers)
+
+            warm = await asyncio.gather(*(warm_one(i) for i in range(warmup)))
             failed = [w.error for w in warm if not w.success]
             if failed:  # the run would fail the same way: stop before measuring nothing
                 raise SystemExit(f"bench serve: the warm-up request failed: {failed[0]}")
-            if admin_key:  # the warm-up prompts are workload prompts: drop their cached prefixes
+            if admin_key:  # also drop whatever an earlier run left in the server's prefix cache
                 resp = await client.post("/flush_cache", headers={"Authorization": f"Bearer {admin_key}"})
                 if resp.status_code != 200:
                     print(f"warning: /flush_cache answered {resp.status_code}: the run may get cache hits")
@@ -228,11 +237,14 @@ def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest
     from framework.bench import datasets
 
     vocab = len(tokenizer)
+    # --seed also picks the prompts: runs against one server with different seeds share no prefixes.
+    seed = getattr(args, "seed", 0)
     if args.dataset == "random":
-        return datasets.random_dataset(args.num_prompts, args.input_len, args.output_len, vocab, args.range_ratio)
+        return datasets.random_dataset(args.num_prompts, args.input_len, args.output_len, vocab, args.range_ratio,
+                                       seed=seed)
     if args.dataset == "generated-shared-prefix":
         return datasets.shared_prefix_dataset(args.gsp_groups, args.gsp_prompts_per_group, args.gsp_system_len,
-                                              args.gsp_question_len, args.output_len, vocab)
+                                              args.gsp_question_len, args.output_len, vocab, seed=seed)
     if not args.dataset_path:
         raise SystemExit("--dataset jsonl needs --dataset-path")
     return datasets.jsonl_dataset(args.dataset_path, tokenizer, args.output_len, args.num_prompts)

@@ -106,3 +106,19 @@ def test_summarize_definitions() -> None:
     assert s["median_itl_ms"] == pytest.approx(100.0) and s["p99_e2e_latency_ms"] <= 500.0
     empty = summarize([], 1.0)
     assert empty["completed"] == 0 and empty["mean_ttft_ms"] is None and not math.isnan(empty["output_throughput"])
+
+
+def test_warm_up_gives_the_measured_requests_no_cache_hits(bench_server) -> None:
+    """The warm-up must not prefill the workload's own prompts: that would hand the measured
+    requests radix-cache hits and flatter TTFT (no --admin-key, so nothing is flushed)."""
+    import httpx
+
+    def hits() -> int:
+        return httpx.get(f"{bench_server.url}/get_load", timeout=30).json()["cache_hit_tokens"]
+
+    rng_ids = [[300 + 7 * i + j for j in range(24)] for i in range(3)]  # no prefix shared with other tests
+    reqs = [BenchRequest(ids, 2) for ids in rng_ids]
+    before = hits()
+    outs, _ = asyncio.run(run_workload(bench_server.url, reqs, warmup=3, progress=False))
+    assert all(o.success for o in outs)
+    assert hits() == before
