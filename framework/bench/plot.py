@@ -106,9 +106,12 @@ def plot_latency(serve: list[dict[str, Any]], out: Path) -> Path:
     import numpy as np
 
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    order: dict[str, tuple[str, int]] = {}
     for row in serve:
-        groups[f"{_label(row)} c={_concurrency(row)}"].append(row)
-    names = sorted(groups)
+        name = f"{_label(row)} c={_concurrency(row)}"
+        groups[name].append(row)
+        order[name] = (_label(row), _concurrency(row))
+    names = sorted(groups, key=order.__getitem__)  # by series, then by concurrency as a number
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     width = 0.8 / 3
     x = np.arange(len(names))
