@@ -56,6 +56,18 @@ class AttentionBackend(ABC):
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
+    @staticmethod
+    def store_and_get_kv(
+        k: torch.Tensor, v: torch.Tensor, layer: Attention, forward_batch: ForwardBatch, save_kv_cache: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' K/V at ``out_cache_loc`` (unless ``save_kv_cache`` is False) and
+        return the layer's whole K and V buffers ``[slots, kv_heads, head_dim]``: the first thing a
+        backend that reads the cache with torch ops does in every forward."""
+        cache = forward_batch.kv_cache
+        if save_kv_cache:
+            cache.store(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        return cache.get_kv(layer.layer_id)
+
     @abstractmethod
     def forward_extend(
         self,

@@ -92,14 +92,14 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        cache = forward_batch.kv_cache
-        if save_kv_cache:
-            cache.store(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_cache, v_cache = cache.get_kv(layer.layer_id)
+        k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
         meta: _DecodeMeta = forward_batch.attn_metadata
         table = forward_batch.req_to_token
         if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or table.dtype != torch.int32:
-            return self._fallback_decode(q, k, v, layer, forward_batch)
+            # torch_native's gather + SDPA path; its metadata is built once per batch, on first need.
+            if meta.fallback is None:
+                meta.fallback = self._decode_metadata(forward_batch)
+            return self._decode_gathered(q, k_cache, v_cache, layer, meta.fallback)
         bs = q.shape[0]
         out = q.new_empty(bs, layer.num_heads, layer.head_dim)
         work = meta.total_tokens * layer.num_kv_heads * layer.head_dim
@@ -107,15 +107,3 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         paged_decode_attention(q.reshape(bs, layer.num_heads, layer.head_dim).contiguous(), k_cache, v_cache, out,
                                table, meta.rows, meta.lens, layer.scaling, threads)
         return out.view(bs, layer.num_heads * layer.head_dim)
-
-    def _fallback_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                         forward_batch: ForwardBatch) -> torch.Tensor:
-        """torch_native's gather + SDPA decode (the KV store already happened)."""
-        meta: _DecodeMeta = forward_batch.attn_metadata
-        if meta.fallback is None:
-            meta.fallback = self._decode_metadata(forward_batch)
-        forward_batch.attn_metadata = meta.fallback
-        try:
-            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
-        finally:
-            forward_batch.attn_metadata = meta

@@ -247,10 +247,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        cache = forward_batch.kv_cache
-        if save_kv_cache:
-            cache.store(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_cache, v_cache = cache.get_kv(layer.layer_id)
+        k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
         num_tokens = q.shape[0]
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
@@ -297,10 +294,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        cache = forward_batch.kv_cache
-        if save_kv_cache:
-            cache.store(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_cache, v_cache = cache.get_kv(layer.layer_id)
+        k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
+        return self._decode_gathered(q, k_cache, v_cache, layer, forward_batch.attn_metadata)
+
+    def _decode_gathered(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: Attention,
+                         groups: list[_DecodeGroup]) -> torch.Tensor:
+        """Decode attention by groups: gather each group's K/V into a padded buffer, then one SDPA."""
         bs = q.shape[0]
         kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
         group = layer.num_heads // kv_heads
@@ -308,7 +307,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # `group` query heads as `group` query rows; GQA without repeating K/V, on any torch.
         q = q.view(bs, kv_heads, group, head_dim)
         out = q.new_empty(bs, kv_heads, group, head_dim)
-        for g in forward_batch.attn_metadata:
+        for g in groups:
             n = g.size * g.max_len
             kb, vb = self._graph_gather_buffers(n, k_cache) if g.graph else self._gather_buffers(n, k_cache)
             torch.index_select(k_cache, 0, g.slots, out=kb)
