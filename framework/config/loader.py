@@ -128,7 +128,6 @@ def _check_values(cfg: DictConfig) -> None:
         ("kv_cache.page_size", cfg.kv_cache.page_size >= 1, ">= 1"),
         ("kv_cache.cpu_memory_budget_gb", cfg.kv_cache.cpu_memory_budget_gb > 0, "> 0"),
         ("kv_cache.gpu_memory_fraction", 0 < cfg.kv_cache.gpu_memory_fraction <= 1, "in (0, 1]"),
-        ("scheduler.max_prefill_tokens", cfg.scheduler.max_prefill_tokens >= 1, ">= 1"),
         ("scheduler.max_running_requests_limit", cfg.scheduler.max_running_requests_limit >= 1, ">= 1"),
         ("scheduler.expected_tokens_per_request", cfg.scheduler.expected_tokens_per_request >= 1, ">= 1"),
         ("scheduler.stream_interval", cfg.scheduler.stream_interval >= 1, ">= 1"),
@@ -146,6 +145,7 @@ def _check_values(cfg: DictConfig) -> None:
     ]
     optional_positive = [
         "scheduler.max_running_requests",
+        "scheduler.max_prefill_tokens",
         "scheduler.chunked_prefill_size",
         "scheduler.max_queued_requests",
         "kv_cache.max_total_tokens",
@@ -158,6 +158,9 @@ def _check_values(cfg: DictConfig) -> None:
         if not ok:
             raise ConfigError(f"{key}: invalid value {OmegaConf.select(cfg, key)!r}, must be {allowed}")
 
+
+#: ``scheduler.max_prefill_tokens: null`` per device (see the schema's docstring for why CPU differs).
+AUTO_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 1024}
 
 #: ``attention.backend: auto`` on GPU takes the first of these that can run here.
 GPU_BACKEND_PREFERENCE = ("flashinfer", "triton")
@@ -193,12 +196,14 @@ def _backend_supports_cuda_graph(name: str) -> bool | None:
 
 
 def resolve_auto(cfg: DictConfig) -> None:
-    """Replace ``auto`` device, attention backend, memory pool and CUDA-graph switch by what will
-    really run."""
+    """Replace ``auto`` device, attention backend, memory pool, prefill budget and CUDA-graph
+    switch by what will really run."""
     import torch
 
     if cfg.device.device.value == "auto":
         cfg.device.device = Device.cuda if torch.cuda.is_available() else Device.cpu
+    if cfg.scheduler.max_prefill_tokens is None:
+        cfg.scheduler.max_prefill_tokens = AUTO_MAX_PREFILL_TOKENS[cfg.device.device.value]
     if cfg.attention.backend == "auto":
         preference = CPU_BACKEND_PREFERENCE if cfg.device.device.value == "cpu" else GPU_BACKEND_PREFERENCE
         cfg.attention.backend = next((b for b in preference if _backend_usable(b)), "torch_native")

@@ -128,8 +128,10 @@ class SchedulerConfig:
     """Upper bound of the derived running cap."""
     expected_tokens_per_request: int = 64
     """The derived running cap is KV capacity / this (clamped to the limit above)."""
-    max_prefill_tokens: int = 16384
-    """Token budget of one prefill batch."""
+    max_prefill_tokens: Optional[int] = None
+    """Token budget of one prefill batch. null (auto): 16384 on GPU (SGLang's default), 1024 on CPU,
+    where fp32 GEMMs slow down once the activations outgrow the caches (measured on 2 AVX2 cores:
+    ~205 GFLOP/s at 1024 rows, ~160 at 8192; a 64 x 128-token prefill took 7.8 s instead of 10.8)."""
     chunked_prefill_size: Optional[int] = 2048
     """Longest prefill chunk of one request; null disables chunking."""
     max_queued_requests: Optional[int] = None

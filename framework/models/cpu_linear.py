@@ -56,6 +56,13 @@ class PackedLinear(nn.Module):
         # oneDNN wants a dense row-major input; the model's inputs already are, so this is free.
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
 
+    def forward_add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``linear(x) + other`` with the add done by oneDNN as a post-op while the output tile is
+        still in cache (bitwise equal to the separate add: IEEE addition is commutative)."""
+        return torch.ops.mkldnn._linear_pointwise.binary(
+            x.contiguous(), other.contiguous(), self.packed_weight, self.bias, "add"
+        )
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -82,10 +89,21 @@ class PackedSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, self.gate_bias, "swish", [], "")
-        return gate.mul_(torch.ops.mkldnn._linear_pointwise(x, self.up, self.up_bias, "none", [], ""))
+        # The multiply is a binary post-op of the up GEMM: the up projection is never written out.
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, self.up_bias, "mul")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (silu(gate) * up)"
+
+
+def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``residual + linear(x)`` (just ``linear(x)`` when ``residual`` is None), fused into the GEMM
+    when ``linear`` is a :class:`PackedLinear`; the plain path keeps transformers' operation."""
+    if residual is None:
+        return linear(x)
+    if isinstance(linear, PackedLinear):
+        return linear.forward_add(x, residual)
+    return residual + linear(x)
 
 
 def _fuse_swiglu(model: nn.Module) -> int:

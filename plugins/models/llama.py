@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from framework.attention.base import Attention
+from framework.models.cpu_linear import linear_add
 from framework.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, get_rope
 
 if TYPE_CHECKING:
@@ -66,7 +67,10 @@ class LlamaAttention(nn.Module):
         hidden_states: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         forward_batch: ForwardBatch,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention output projected back to the hidden size, plus ``residual`` when given
+        (the add rides on the output GEMM where the linear layer can fuse it)."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_transform(q, k)
@@ -74,7 +78,7 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q, cos, sin, self.head_dim)
         k = apply_rotary(k, cos, sin, self.head_dim)
         out = self.attn(q.contiguous(), k.contiguous(), v.contiguous(), forward_batch)
-        return self.o_proj(out)
+        return linear_add(self.o_proj, out, residual)
 
 
 class LlamaMLP(nn.Module):
@@ -89,8 +93,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``down(silu(gate) * up)``, plus ``residual`` when given (fused like the attention's)."""
+        return linear_add(self.down_proj, self.act(self.gate_up_proj(x)), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,14 +114,10 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        # Plain (unfused) residual adds in the activation dtype, in HF's order, so that bf16 rounding
-        # matches transformers step for step.
-        residual = hidden_states
-        hidden_states = self.self_attn(self.input_layernorm(hidden_states), cos_sin, forward_batch)
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+        # Residual adds in the activation dtype, one rounding each as in transformers (so bf16
+        # matches it step for step); on CPU fp32 they are post-ops of the o_proj / down_proj GEMMs.
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), cos_sin, forward_batch, hidden_states)
+        return self.mlp(self.post_attention_layernorm(hidden_states), hidden_states)
 
 
 class LlamaModel(nn.Module):

@@ -7,7 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.models.cpu_linear import PackedLinear, PackedSwiGLU, onednn_linear_available, pack_linear_layers
+from framework.models.cpu_linear import (
+    PackedLinear,
+    PackedSwiGLU,
+    linear_add,
+    onednn_linear_available,
+    pack_linear_layers,
+)
 from framework.models.layers import SiluAndMul
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
@@ -63,3 +69,32 @@ def test_packed_linear_takes_any_leading_shape() -> None:
 def test_half_precision_layers_are_left_alone() -> None:
     model = _Model(False).to(torch.bfloat16)
     assert pack_linear_layers(model) == 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 64, 700])
+def test_linear_add_fuses_the_residual_exactly(bias: bool, rows: int) -> None:
+    """The oneDNN add post-op gives the bits of the packed GEMM followed by a separate add (fp32
+    addition commutes), and the unpacked path keeps ``residual + linear(x)``."""
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 80, bias=bias)
+    x, residual = torch.randn(rows, 96), torch.randn(rows, 80)
+    packed = PackedLinear(lin)
+    with torch.no_grad():
+        fused = linear_add(packed, x, residual)
+        assert torch.equal(fused, residual + packed(x))
+        assert torch.equal(linear_add(lin, x, residual), residual + lin(x))
+        assert torch.equal(linear_add(packed, x, None), packed(x))
+        assert torch.allclose(fused, residual + F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_swiglu_mul_post_op_matches_separate_ops() -> None:
+    torch.manual_seed(3)
+    gate_up = nn.Linear(48, 2 * 32)
+    x = torch.randn(33, 48)
+    fused = PackedSwiGLU(gate_up)
+    with torch.no_grad():
+        gate = torch.ops.mkldnn._linear_pointwise(x, fused.gate, fused.gate_bias, "swish", [], "")
+        up = torch.ops.mkldnn._linear_pointwise(x, fused.up, fused.up_bias, "none", [], "")
+        assert torch.equal(fused(x), gate * up)
+        assert torch.allclose(fused(x), SiluAndMul()(gate_up(x)), atol=1e-5, rtol=1e-5)

@@ -263,15 +263,18 @@ def test_load_generation_config(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_matches_hf(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("shape", [(9, 64), (1, 768), (300, 768), (5, 3, 128)])
+def test_rmsnorm_matches_hf(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Bitwise, at the widths and row counts of real models (fp32 takes torch's fused rms_norm)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     torch.manual_seed(0)
-    ours, theirs = layers.RMSNorm(64, eps=1e-6).to(dtype), LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    width = shape[-1]
+    ours, theirs = layers.RMSNorm(width, eps=1e-6).to(dtype), LlamaRMSNorm(width, eps=1e-6).to(dtype)
     with torch.no_grad():
         ours.weight.uniform_(0.5, 1.5)
         theirs.weight.copy_(ours.weight)
-    x = (torch.randn(9, 64) * 3).to(dtype)
+    x = (torch.randn(*shape) * 3).to(dtype)
     assert torch.equal(ours(x), theirs(x))
 
 
