@@ -3,7 +3,9 @@
 Peers, each run only when importable (otherwise skipped with the reason printed and recorded):
 - HF transformers ``generate``: batched with left padding, greedy, exactly ``output_len`` new
   tokens (``min_new_tokens`` = ``max_new_tokens``, so EOS cannot end a row early);
-- vLLM's offline ``LLM`` API: the same token-id prompts, greedy, ``ignore_eos``.
+- vLLM's offline ``LLM`` API: the same token-id prompts, greedy, ``ignore_eos``;
+- llama.cpp through llama-cpp-python (``--llamacpp-python``, its own venv): the checkpoint converted
+  to GGUF at the same precision, batched with one sequence per request, greedy.
 Running them side by side in one process on one idle machine is what makes the ratios
 meaningful: figures taken at different times on a shared machine differ by 2x and more.
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 from framework.bench.datasets import BenchRequest
 
-PEERS = ("transformers", "vllm")
+PEERS = ("transformers", "vllm", "llama.cpp")
 
 
 def add_compare_command(bench_sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -33,6 +35,11 @@ def add_compare_command(bench_sub: Any, common: Callable[[argparse.ArgumentParse
     p.add_argument("--vllm-python", default=None,
                    help="python of a separate venv with vllm installed: run the vLLM peer there "
                         "(default: import vllm in this process)")
+    p.add_argument("--llamacpp-python", default=None,
+                   help="python of a venv with llama-cpp-python: run the llama.cpp peer there")
+    p.add_argument("--llamacpp-converter", default=None,
+                   help="llama.cpp's convert_hf_to_gguf.py (in the llama-cpp-python source archive, "
+                        "vendor/llama.cpp/); the GGUF is cached under the temp dir")
     p.add_argument("--hf-batch-size", type=int, default=0, help="transformers batch size (default: every prompt)")
     p.set_defaults(func=cmd_compare)
 
@@ -114,20 +121,20 @@ def run_vllm(model_path: str, requests: list[BenchRequest], outputs: list[list[i
     return _figures(len(requests), sum(len(r.input_ids) for r in requests), out_tokens, elapsed)
 
 
-def run_vllm_elsewhere(python: str, model_path: str, requests: list[BenchRequest],
-                       outputs: list[list[int]] | None = None, dtype: str = "float32") -> dict[str, Any]:
-    """:func:`run_vllm` in another interpreter (vLLM's own venv), through ``vllm_peer.py``."""
+def _run_peer_script(python: str, script_name: str, job: dict[str, Any], requests: list[BenchRequest],
+                     outputs: list[list[int]] | None) -> dict[str, Any]:
+    """Run ``script_name`` (next to this file) under ``python`` with the workload added to ``job``;
+    it writes ``{"elapsed_s", "output_ids"}``, returned here as the usual figures."""
     import subprocess
     import tempfile
     from pathlib import Path
 
-    script = Path(__file__).with_name("vllm_peer.py")
+    script = Path(__file__).with_name(script_name)
     with tempfile.TemporaryDirectory() as tmp:
-        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job.write_text(json.dumps({"model": model_path, "dtype": dtype,
-                                   "prompts": [r.input_ids for r in requests],
-                                   "output_lens": [r.output_len for r in requests]}))
-        proc = subprocess.run([python, str(script), str(job), str(result)], capture_output=True, text=True)
+        job_path, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps({**job, "prompts": [r.input_ids for r in requests],
+                                        "output_lens": [r.output_len for r in requests]}))
+        proc = subprocess.run([python, str(script), str(job_path), str(result)], capture_output=True, text=True)
         if proc.returncode != 0 or not result.exists():
             tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
             raise RuntimeError(f"{python} {script.name} exited with {proc.returncode}: {tail}")
@@ -136,6 +143,48 @@ def run_vllm_elsewhere(python: str, model_path: str, requests: list[BenchRequest
         outputs.extend(done["output_ids"])
     out_tokens = sum(len(o) for o in done["output_ids"])
     return _figures(len(requests), sum(len(r.input_ids) for r in requests), out_tokens, done["elapsed_s"])
+
+
+def run_vllm_elsewhere(python: str, model_path: str, requests: list[BenchRequest],
+                       outputs: list[list[int]] | None = None, dtype: str = "float32") -> dict[str, Any]:
+    """:func:`run_vllm` in another interpreter (vLLM's own venv), through ``vllm_peer.py``."""
+    return _run_peer_script(python, "vllm_peer.py", {"model": model_path, "dtype": dtype}, requests, outputs)
+
+
+#: plugserve's dtype -> the GGUF type llama.cpp's converter writes for it.
+GGUF_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def gguf_path(model_path: str, outtype: str) -> str:
+    """Where the converted checkpoint is cached: keyed by the model path and its weights' mtimes,
+    so a rewritten checkpoint is converted again."""
+    import hashlib
+    import tempfile
+    from pathlib import Path
+
+    files = sorted(Path(model_path).glob("*.safetensors")) + [Path(model_path) / "config.json"]
+    key = hashlib.sha256("|".join(f"{f.resolve()}:{f.stat().st_mtime_ns}" for f in files if f.exists()).encode())
+    name = f"{Path(model_path).name}-{key.hexdigest()[:12]}-{outtype}.gguf"
+    return str(Path(tempfile.gettempdir()) / "plugserve-gguf" / name)
+
+
+def run_llamacpp_elsewhere(python: str, converter: str | None, model_path: str, requests: list[BenchRequest],
+                           outputs: list[list[int]] | None = None, dtype: str = "float32",
+                           threads: int = 0) -> dict[str, Any]:
+    """llama.cpp batched greedy generation in llama-cpp-python's venv, through ``llamacpp_peer.py``."""
+    import os
+
+    import torch
+
+    if dtype not in GGUF_TYPES:
+        raise ValueError(f"no GGUF type for dtype {dtype}")
+    gguf = gguf_path(model_path, GGUF_TYPES[dtype])
+    if converter is None and not os.path.exists(gguf):
+        raise ValueError("--llamacpp-converter is needed to convert the checkpoint to GGUF the first time")
+    os.makedirs(os.path.dirname(gguf), exist_ok=True)
+    job = {"model": model_path, "converter": converter, "outtype": GGUF_TYPES[dtype], "gguf": gguf,
+           "threads": threads or torch.get_num_threads()}
+    return _run_peer_script(python, "llamacpp_peer.py", job, requests, outputs)
 
 
 def _peer(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -194,6 +243,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                                                        tokens["vllm"], dtype))
         else:
             systems["vllm"] = _peer("vllm", lambda: run_vllm(model_path, requests, tokens["vllm"], dtype))
+    if "llama.cpp" in args.peers:
+        if args.llamacpp_python:
+            systems["llama.cpp"] = _peer("llama.cpp", lambda: run_llamacpp_elsewhere(
+                args.llamacpp_python, args.llamacpp_converter, model_path, requests, tokens["llama.cpp"], dtype))
+        else:
+            systems["llama.cpp"] = {"skipped": "llama.cpp runs only in its own venv: pass --llamacpp-python"}
     for name, fig in systems.items():
         if name != "plugserve" and "skipped" not in fig:
             fig["greedy_agreement_with_plugserve"] = agreement(tokens["plugserve"], tokens[name])

