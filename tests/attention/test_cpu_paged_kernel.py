@@ -41,12 +41,17 @@ def _reference(q, k, v, table, rows, lens, scale):
 @pytest.mark.parametrize("bs", [1, 3, 16, 40])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128), (8, 1, 64), (6, 3, 40)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_kernel_matches_sdpa(bs: int, heads: int, kv_heads: int, head_dim: int, threads: int) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_sdpa(bs: int, heads: int, kv_heads: int, head_dim: int, threads: int,
+                             kv_dtype: torch.dtype) -> None:
+    """fp32 queries over an fp32 or bf16 cache; the reference is SDPA in fp32 over exactly the
+    values the cache holds (bf16-rounded K/V widened back to fp32)."""
     q, k, v, table, rows, lens = _case(bs, heads, kv_heads, head_dim, seed=bs * 100 + heads + threads)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
     out = torch.full_like(q, float("nan"))  # every element must be written
     scale = head_dim**-0.5
     paged_decode_attention(q, k, v, out, table, rows, lens, scale, threads)
-    ref = _reference(q, k, v, table, rows, lens, scale)
+    ref = _reference(q, k.float(), v.float(), table, rows, lens, scale)
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), (out - ref).abs().max()
 
 
@@ -59,3 +64,5 @@ def test_kernel_refuses_wrong_layouts() -> None:
         paged_decode_attention(q.transpose(0, 1), k, v, out, table, rows, lens, 0.1, 1)
     with pytest.raises(ValueError, match="k_cache"):
         paged_decode_attention(q, k.half(), v, out, table, rows, lens, 0.1, 1)
+    with pytest.raises(ValueError, match="v_cache: need a contiguous CPU torch.bfloat16"):
+        paged_decode_attention(q, k.bfloat16(), v, out, table, rows, lens, 0.1, 1)  # K and V must match

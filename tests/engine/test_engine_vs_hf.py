@@ -9,6 +9,7 @@ forces retraction, and the overlap loop. After every engine test, no KV page or 
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,28 @@ def test_greedy_equal_under_scheduler_variants(cases, make_engine, variant, arch
         assert eng.scheduler.cache_hit_tokens > 0  # shared prefixes were reused
     else:
         assert eng.scheduler.cache_hit_tokens == 0
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_head_dim"])
+def test_bf16_kv_cache_kernel_equals_sdpa_path(cases, make_engine, arch):
+    """``kv_cache.dtype=bfloat16`` on an fp32 model: cpu_paged's kernel reads the bf16 cache itself;
+    torch_native gathers the same bf16 values and runs SDPA. Transformers has no bf16-KV mode to
+    compare with, so SDPA over the identical cache contents is the reference; the tokens must agree,
+    and the kernel path must really be the one taken (not the fallback)."""
+    name, path, _, prompts, _ = cases.get(arch)
+    paged = make_engine(path, "kv_cache.dtype=bfloat16")
+    assert paged.runner.kv_cache.dtype == torch.bfloat16
+    calls = []
+    kernel_mod = sys.modules[type(paged.runner.attn_backend).__module__]
+    real = kernel_mod.paged_decode_attention
+    kernel_mod.paged_decode_attention = lambda *a: (calls.append(a[1].dtype), real(*a))[1]
+    try:
+        got = run_staggered(paged, prompts)
+    finally:
+        kernel_mod.paged_decode_attention = real
+    assert calls and set(calls) == {torch.bfloat16}
+    reference = run_staggered(make_engine(path, "kv_cache.dtype=bfloat16", "attention.backend=torch_native"), prompts)
+    assert got == reference
 
 
 @pytest.mark.parametrize("overlap", [False, True])

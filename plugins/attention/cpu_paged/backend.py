@@ -7,8 +7,9 @@ request's K/V out of the paged cache into a padded buffer for SDPA. The kernel i
 ~8x faster than gather + SDPA per layer at batch 64). Prefill stays on SDPA: it is compute-bound,
 and SDPA's flash kernel is good at that.
 
-The kernel handles float32 queries and caches; anything else (a bf16 model or KV cache) falls back
-to the ``torch_native`` decode path, so the backend is always correct and only sometimes fast.
+The kernel handles float32 queries over a float32 or bfloat16 cache (``kv_cache.dtype=bfloat16``
+halves the bytes each decode step reads); anything else (a bf16 model, an fp16 cache) falls back to
+the ``torch_native`` decode path, so the backend is always correct and only sometimes fast.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import torch
 
 from framework.attention.base import Attention
 from framework.errors import ConfigError
-from plugins.attention.cpu_paged.kernel import KernelUnavailable, compiler, load_kernel, paged_decode_attention
+from plugins.attention.cpu_paged.kernel import (
+    KV_DTYPES,
+    KernelUnavailable,
+    compiler,
+    load_kernel,
+    paged_decode_attention,
+)
 from plugins.attention.torch_native.backend import TorchNativeAttnBackend, TorchNativeOptions
 
 if TYPE_CHECKING:
@@ -95,7 +102,7 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
         meta: _DecodeMeta = forward_batch.attn_metadata
         table = forward_batch.req_to_token
-        if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or table.dtype != torch.int32:
+        if q.dtype != torch.float32 or k_cache.dtype not in KV_DTYPES or table.dtype != torch.int32:
             # torch_native's gather + SDPA path; its metadata is built once per batch, on first need.
             if meta.fallback is None:
                 meta.fallback = self._decode_metadata(forward_batch)

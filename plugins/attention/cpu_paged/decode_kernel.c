@@ -7,12 +7,15 @@
  *
  * Layout (what plugserve's KVCache and request pool hold):
  *   q        [bs, num_heads, head_dim]            float32, contiguous
- *   k, v     [num_slots, kv_heads, head_dim]      float32, contiguous (one layer)
+ *   k, v     [num_slots, kv_heads, head_dim]      float32 or bfloat16, contiguous (one layer)
  *   table    [rows, table_stride]                 int32 slot of each token of each request row
  *   rows     [bs] int64 request row per query;  lens [bs] int64 context length per query
  *   out      [bs, num_heads, head_dim]            float32
  * Query heads h*group .. h*group+group-1 share kv head h (GQA), so each K/V row is read once for
  * the whole group. Work items (a request, or one kv head of it) are split over threads by token count.
+ *
+ * A bfloat16 cache (kv_cache.dtype=bfloat16) halves the bytes a decode step reads; each element is
+ * widened to float32 on load (a 16-bit shift, exact), and all arithmetic stays float32.
  */
 #include <math.h>
 #include <pthread.h>
@@ -21,7 +24,8 @@
 #include <string.h>
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v; /* float32 or bfloat16 elements: the run function knows which */
     float *out;
     const int32_t *table;
     const int64_t *rows, *lens;
@@ -31,15 +35,34 @@ typedef struct {
     int status;
 } job_t;
 
+/* bfloat16 is the top half of a float32: widening is a shift, and exact. */
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Element i of a K/V row of either type. `bf16` is a compile-time constant wherever this is used
+ * (run_items is force-inlined into one wrapper per type), so each loop below is compiled twice,
+ * each time straight-line, and gcc vectorises both. */
+static inline float kv_at(const void *row, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+static inline const void *kv_row(const void *base, int64_t element, int bf16) {
+    return (const char *)base + element * (bf16 ? 2 : 4);
+}
+
 /* Plain loops: compiled with -O3 and reassociation allowed, gcc turns them into FMA vector code. */
-static inline float dot(const float *a, const float *b, int64_t n) {
+static inline float dot(const float *a, const void *b, int64_t n, int bf16) {
     float s = 0.0f;
-    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+    for (int64_t i = 0; i < n; ++i) s += a[i] * kv_at(b, i, bf16);
     return s;
 }
 
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+static inline void axpy(float *y, float a, const void *x, int64_t n, int bf16) {
+    for (int64_t i = 0; i < n; ++i) y[i] += a * kv_at(x, i, bf16);
 }
 
 /* exp(x) for x <= 0 (scores minus their max), as 2^k * 2^f with a degree-6 polynomial for 2^f on
@@ -59,12 +82,11 @@ static inline float exp_nonpositive(float x) {
 
 /* Ask for the next token's row ahead of use: rows sit wherever the page table puts them, so the
  * hardware prefetcher cannot guess the next one. */
-static inline void prefetch_row(const float *row, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i, 0, 1);
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)row + i, 0, 1);
 }
 
-static void *run_items(void *arg) {
-    job_t *j = (job_t *)arg;
+static inline __attribute__((always_inline)) void *run_items(job_t *j, int bf16) {
     const int64_t d = j->head_dim, group = j->num_heads / j->kv_heads, hpi = j->heads_per_item;
     const int64_t per_req = j->kv_heads / hpi;
     float *scores = (float *)malloc(sizeof(float) * (size_t)(hpi * group * (j->max_len > 0 ? j->max_len : 1)));
@@ -78,15 +100,15 @@ static void *run_items(void *arg) {
         /* query heads h0*group .. (h0+hpi)*group-1 are contiguous in q and out */
         const float *qh = j->q + (b * j->num_heads + h0 * group) * d;
         float *oh = j->out + (b * j->num_heads + h0 * group) * d;
-        const int64_t nq = hpi * group;
+        const int64_t nq = hpi * group, row_bytes = hpi * d * (bf16 ? 2 : 4);
         memset(oh, 0, sizeof(float) * (size_t)(nq * d));
         if (len <= 0) continue;
         /* pass 1: scores; one token's K row (all its kv heads) is contiguous, so read it whole */
-        const int64_t row_len = hpi * d;
         for (int64_t t = 0; t < len; ++t) {
-            const float *kr = j->k + ((int64_t)slots[t] * j->kv_heads + h0) * d;
-            if (t + 1 < len) prefetch_row(j->k + ((int64_t)slots[t + 1] * j->kv_heads + h0) * d, row_len);
-            for (int64_t qi = 0; qi < nq; ++qi) scores[qi * len + t] = dot(qh + qi * d, kr + (qi / group) * d, d) * j->scale;
+            const void *kr = kv_row(j->k, ((int64_t)slots[t] * j->kv_heads + h0) * d, bf16);
+            if (t + 1 < len) prefetch_row(kv_row(j->k, ((int64_t)slots[t + 1] * j->kv_heads + h0) * d, bf16), row_bytes);
+            for (int64_t qi = 0; qi < nq; ++qi)
+                scores[qi * len + t] = dot(qh + qi * d, kv_row(kr, (qi / group) * d, bf16), d, bf16) * j->scale;
         }
         /* softmax per query head, max-subtracted like SDPA */
         for (int64_t qi = 0; qi < nq; ++qi) {
@@ -101,21 +123,28 @@ static void *run_items(void *arg) {
         }
         /* pass 2: weighted sum of the values */
         for (int64_t t = 0; t < len; ++t) {
-            const float *vr = j->v + ((int64_t)slots[t] * j->kv_heads + h0) * d;
-            if (t + 1 < len) prefetch_row(j->v + ((int64_t)slots[t + 1] * j->kv_heads + h0) * d, row_len);
-            for (int64_t qi = 0; qi < nq; ++qi) axpy(oh + qi * d, scores[qi * len + t], vr + (qi / group) * d, d);
+            const void *vr = kv_row(j->v, ((int64_t)slots[t] * j->kv_heads + h0) * d, bf16);
+            if (t + 1 < len) prefetch_row(kv_row(j->v, ((int64_t)slots[t + 1] * j->kv_heads + h0) * d, bf16), row_bytes);
+            for (int64_t qi = 0; qi < nq; ++qi)
+                axpy(oh + qi * d, scores[qi * len + t], kv_row(vr, (qi / group) * d, bf16), d, bf16);
         }
     }
     free(scores);
     return NULL;
 }
 
+static void *run_items_f32(void *arg) { return run_items((job_t *)arg, 0); }
+static void *run_items_bf16(void *arg) { return run_items((job_t *)arg, 1); }
+
 #define MAX_THREADS 64
 
-/* Returns 0 on success, non-zero when memory or a thread could not be had. */
-int paged_decode_attention(const float *q, const float *k, const float *v, float *out, const int32_t *table,
+/* k and v hold bfloat16 elements when kv_bf16 is non-zero, float32 otherwise.
+ * Returns 0 on success, non-zero when memory or a thread could not be had. */
+int paged_decode_attention(const float *q, const void *k, const void *v, float *out, const int32_t *table,
                            int64_t table_stride, const int64_t *rows, const int64_t *lens, int64_t bs,
-                           int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t num_threads) {
+                           int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t num_threads,
+                           int64_t kv_bf16) {
+    void *(*run)(void *) = kv_bf16 ? run_items_bf16 : run_items_f32;
     if (bs <= 0) return 0;
     if (kv_heads <= 0 || num_heads % kv_heads != 0) return 2;
     int64_t max_len = 0, total = 0;
@@ -149,13 +178,13 @@ int paged_decode_attention(const float *q, const float *k, const float *v, float
     int status = 0;
     for (int64_t i = 1; i < num_threads; ++i) {
         if (jobs[i].item_begin == jobs[i].item_end) continue;
-        if (pthread_create(&threads[i], NULL, run_items, &jobs[i]) == 0) {
+        if (pthread_create(&threads[i], NULL, run, &jobs[i]) == 0) {
             started[i] = 1;
         } else {
-            run_items(&jobs[i]); /* no thread to be had: do its share here */
+            run(&jobs[i]); /* no thread to be had: do its share here */
         }
     }
-    run_items(&jobs[0]);
+    run(&jobs[0]);
     for (int64_t i = 1; i < num_threads; ++i)
         if (started[i]) pthread_join(threads[i], NULL);
     for (int64_t i = 0; i < num_threads; ++i) status |= jobs[i].status;

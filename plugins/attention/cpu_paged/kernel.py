@@ -27,6 +27,10 @@ CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fasso
           "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast", "-pthread"]
 
 
+#: K/V cache element types the kernel reads.
+KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class KernelUnavailable(RuntimeError):
     """The C kernel cannot be built or loaded here (no compiler, or the build failed)."""
 
@@ -73,7 +77,7 @@ def load_kernel() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64]
+    fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64]
     fn.restype = ctypes.c_int
     return lib
 
@@ -84,11 +88,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Write softmax(q k^T * scale) v of each request's first ``lens[b]`` tokens into ``out``.
 
     ``q``/``out`` ``[bs, heads, head_dim]`` fp32; ``k_cache``/``v_cache`` ``[slots, kv_heads,
-    head_dim]`` fp32; ``req_to_token`` ``[rows, stride]`` int32; ``rows``/``lens`` ``[bs]`` int64.
-    Every tensor must be contiguous on the CPU (checked: a wrong layout would read garbage).
+    head_dim]``, both fp32 or both bf16 (read widened to fp32); ``req_to_token`` ``[rows, stride]``
+    int32; ``rows``/``lens`` ``[bs]`` int64. Every tensor must be contiguous on the CPU (checked: a
+    wrong layout would read garbage).
     """
-    for name, t, dtype in (("q", q, torch.float32), ("k_cache", k_cache, torch.float32),
-                           ("v_cache", v_cache, torch.float32), ("out", out, torch.float32),
+    kv_dtype = k_cache.dtype if k_cache.dtype in KV_DTYPES else torch.float32
+    for name, t, dtype in (("q", q, torch.float32), ("k_cache", k_cache, kv_dtype),
+                           ("v_cache", v_cache, kv_dtype), ("out", out, torch.float32),
                            ("req_to_token", req_to_token, torch.int32), ("rows", rows, torch.int64),
                            ("lens", lens, torch.int64)):
         if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
@@ -98,7 +104,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = load_kernel().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), req_to_token.data_ptr(),
         req_to_token.shape[1], rows.data_ptr(), lens.data_ptr(), bs, num_heads, kv_heads, head_dim,
-        float(scale), num_threads,
+        float(scale), num_threads, int(kv_dtype == torch.bfloat16),
     )
     if status != 0:
         raise RuntimeError(f"paged_decode_attention failed with status {status} (out of memory or bad head counts)")
