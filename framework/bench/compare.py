@@ -170,8 +170,9 @@ def gguf_path(model_path: str, outtype: str) -> str:
 
 def run_llamacpp_elsewhere(python: str, converter: str | None, model_path: str, requests: list[BenchRequest],
                            outputs: list[list[int]] | None = None, dtype: str = "float32",
-                           threads: int = 0) -> dict[str, Any]:
-    """llama.cpp batched greedy generation in llama-cpp-python's venv, through ``llamacpp_peer.py``."""
+                           threads: int = 0, kv_dtype: str | None = None) -> dict[str, Any]:
+    """llama.cpp batched greedy generation in llama-cpp-python's venv, through ``llamacpp_peer.py``,
+    with its KV cache at plugserve's KV precision (``kv_dtype``, default the model dtype)."""
     import os
 
     import torch
@@ -183,7 +184,7 @@ def run_llamacpp_elsewhere(python: str, converter: str | None, model_path: str, 
         raise ValueError("--llamacpp-converter is needed to convert the checkpoint to GGUF the first time")
     os.makedirs(os.path.dirname(gguf), exist_ok=True)
     job = {"model": model_path, "converter": converter, "outtype": GGUF_TYPES[dtype], "gguf": gguf,
-           "threads": threads or torch.get_num_threads()}
+           "kv_type": kv_dtype or dtype, "threads": threads or torch.get_num_threads()}
     return _run_peer_script(python, "llamacpp_peer.py", job, requests, outputs)
 
 
@@ -228,6 +229,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     model_desc = engine.runner.describe()
     device = str(model_desc.get("device", "cpu"))
     dtype = str(model_desc.get("dtype", "float32")).removeprefix("torch.")
+    kv_dtype = str(engine.runner.kv_cache.dtype).removeprefix("torch.")
     del engine  # free its KV pool and weights before the peers load theirs
     gc.collect()
     _empty_cuda_cache()  # vLLM sizes its KV cache from the GPU memory free when it starts
@@ -246,7 +248,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if "llama.cpp" in args.peers:
         if args.llamacpp_python:
             systems["llama.cpp"] = _peer("llama.cpp", lambda: run_llamacpp_elsewhere(
-                args.llamacpp_python, args.llamacpp_converter, model_path, requests, tokens["llama.cpp"], dtype))
+                args.llamacpp_python, args.llamacpp_converter, model_path, requests, tokens["llama.cpp"], dtype,
+                kv_dtype=kv_dtype))
         else:
             systems["llama.cpp"] = {"skipped": "llama.cpp runs only in its own venv: pass --llamacpp-python"}
     for name, fig in systems.items():

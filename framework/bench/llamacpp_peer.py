@@ -3,8 +3,12 @@
 llama-cpp-python compiles llama.cpp at install time, so it lives in its own virtual environment;
 ``plugserve bench compare --llamacpp-python /venv/bin/python --llamacpp-converter
 /src/llama.cpp/convert_hf_to_gguf.py`` runs this file there. It reads ``{"model", "converter",
-"outtype", "gguf", "prompts": [[ids]], "output_lens", "threads"}`` from the JSON file in argv[1] and
-writes ``{"elapsed_s", "output_ids", "gguf"}`` to argv[2].
+"outtype", "kv_type", "gguf", "prompts": [[ids]], "output_lens", "threads"}`` from the JSON file in
+argv[1] and writes ``{"elapsed_s", "output_ids", "gguf"}`` to argv[2].
+
+``kv_type`` is plugserve's KV cache dtype. llama.cpp's own default is an f16 cache, which would
+read half the K/V bytes of an fp32 plugserve run; the comparison sets llama.cpp's cache to the
+same precision as plugserve's instead.
 
 The Hugging Face checkpoint is converted to GGUF once with llama.cpp's own converter (it ships in
 the llama-cpp-python source archive, not in the wheel). A tokenizer trained locally is unknown to
@@ -50,8 +54,12 @@ def convert(model: str, converter: str, outtype: str, target: str) -> None:
         sys.argv = argv
 
 
+#: torch dtype name -> ggml type id (ggml.h: GGML_TYPE_F32 = 0, F16 = 1, BF16 = 30).
+GGML_KV_TYPES = {"float32": 0, "float16": 1, "bfloat16": 30}
+
+
 def generate(gguf: str, prompts: list[list[int]], output_lens: list[int], threads: int,
-             prefill_batch: int = 2048) -> tuple[float, list[list[int]]]:
+             kv_type: str = "float32", prefill_batch: int = 2048) -> tuple[float, list[list[int]]]:
     """Greedy batched generation; returns (seconds, output ids per prompt)."""
     import llama_cpp as L
     import numpy as np
@@ -69,6 +77,7 @@ def generate(gguf: str, prompts: list[list[int]], output_lens: list[int], thread
     cparams.n_seq_max = n_seq
     cparams.kv_unified = False
     cparams.n_threads = cparams.n_threads_batch = threads
+    cparams.type_k = cparams.type_v = GGML_KV_TYPES[kv_type]
     ctx = L.llama_init_from_model(model, cparams)
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context")
@@ -140,7 +149,7 @@ def main(in_path: str, out_path: str) -> None:
         tmp = gguf + ".partial"
         convert(job["model"], job["converter"], job["outtype"], tmp)
         os.replace(tmp, gguf)
-    elapsed, outputs = generate(gguf, job["prompts"], job["output_lens"], job["threads"])
+    elapsed, outputs = generate(gguf, job["prompts"], job["output_lens"], job["threads"], job.get("kv_type", "float32"))
     with open(out_path, "w") as f:
         json.dump({"elapsed_s": elapsed, "output_ids": outputs, "gguf": gguf}, f)
 

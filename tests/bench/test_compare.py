@@ -174,3 +174,25 @@ def test_llamacpp_peer_generates_the_same_greedy_tokens(tmp_path: Path, monkeypa
     assert [len(t) for t in theirs] == [r.output_len for r in requests]
     assert fig["output_tokens"] == sum(r.output_len for r in requests) and fig["output_throughput"] > 0
     assert agreement(ours, theirs) >= 0.5, (ours, theirs)
+
+
+def test_llamacpp_job_matches_plugserves_precision(tmp_path: Path, monkeypatch) -> None:
+    """llama.cpp defaults to an f16 KV cache; the job must ask for plugserve's KV precision instead
+    (and a GGUF of the model's dtype), or the comparison reads half the K/V bytes on one side."""
+    from framework.bench import compare
+
+    jobs = []
+    monkeypatch.setattr(compare, "_run_peer_script", lambda py, script, job, reqs, outs: jobs.append((script, job)))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    reqs = [BenchRequest([1, 2], 3)]
+    compare.run_llamacpp_elsewhere("py", "conv.py", str(tmp_path / "m"), reqs, threads=2)
+    compare.run_llamacpp_elsewhere("py", "conv.py", str(tmp_path / "m"), reqs, threads=2, kv_dtype="bfloat16")
+    assert [j["kv_type"] for _, j in jobs] == ["float32", "bfloat16"]
+    assert all(s == "llamacpp_peer.py" and j["outtype"] == "f32" and j["threads"] == 2 for s, j in jobs)
+    from framework.bench.llamacpp_peer import GGML_KV_TYPES
+
+    assert set(GGML_KV_TYPES) >= {"float32", "bfloat16"}
+    with pytest.raises(ValueError, match="--llamacpp-converter is needed"):
+        compare.run_llamacpp_elsewhere("py", None, str(tmp_path / "m"), reqs)
