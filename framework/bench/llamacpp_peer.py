@@ -149,7 +149,7 @@ def main(in_path: str, out_path: str) -> None:
         tmp = gguf + ".partial"
         convert(job["model"], job["converter"], job["outtype"], tmp)
         os.replace(tmp, gguf)
-    elapsed, outputs = generate(gguf, job["prompts"], job["output_lens"], job["threads"], job.get("kv_type", "float32"))
+    elapsed, outputs = generate(gguf, job["prompts"], job["output_lens"], job["threads"], job["kv_type"])
     with open(out_path, "w") as f:
         json.dump({"elapsed_s": elapsed, "output_ids": outputs, "gguf": gguf}, f)
 

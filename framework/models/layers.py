@@ -25,8 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Not F.rms_norm: bitwise equal in fp32, but its CPU kernel made whole decode steps slower
-        # here (bs1 32 vs 26 ms, bs64 145-163 vs 135 ms on the 120M benchmark model).
+        # Not F.rms_norm: bitwise equal in fp32, but decode steps with it were no faster here (one A/B
+        # pair even slower, within this machine's run-to-run noise), so the HF-shaped ops stay.
         input_dtype = x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
