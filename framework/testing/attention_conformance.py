@@ -19,7 +19,8 @@ scenarios, and compares every output with ``scaled_dot_product_attention`` in fl
 request's contiguous K/V history. It also checks that the new K/V landed in the cache at the slots
 the request table names. The scenarios:
 
-- ``extend``: one batch of fresh prompts of mixed lengths (1 .. 33 tokens, crossing pages);
+- ``extend``: one batch of fresh prompts of mixed lengths (1 .. 33 tokens, crossing pages), three of
+  them of equal length next to each other (backends may batch those);
 - ``prefix``: extends on top of cached prefixes (mixed with a fresh prompt in the same batch), a
   request that starts with another one's pages (a radix-cache hit), then a further chunk on top;
 - ``decode``: mixed context lengths (1 .. 63), several steps across page boundaries, then a
@@ -306,8 +307,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 def _run_scenario(hx: _Harness, scenario: str) -> None:
     extend, decode = ForwardMode.EXTEND, ForwardMode.DECODE
     if scenario == "extend":
-        rows = [hx.new_request() for _ in range(4)]
-        hx.step(extend, rows, [1, 7, 20, 33])
+        rows = [hx.new_request() for _ in range(6)]
+        hx.step(extend, rows, [1, 7, 20, 20, 20, 33])
     elif scenario == "prefix":
         rows = [hx.new_request() for _ in range(4)]
         hx.step(extend, rows[:3], [5, 16, 30], check=False)

@@ -25,6 +25,9 @@ SOURCE = Path(__file__).with_name("decode_kernel.c")
 # so expf and inf/nan handling stay IEEE.
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
           "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast", "-pthread"]
+# OpenMP, so that the kernel's threads are torch's own (see the kernel); a compiler without it (clang
+# lacking libomp) builds the pthread variant instead.
+OPENMP_FLAGS = ["-fopenmp"]
 
 
 #: K/V cache element types the kernel reads.
@@ -49,7 +52,7 @@ def cache_dir() -> Path:
 
 def _build_key(cc: str) -> str:
     digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([cc, *CFLAGS]).encode())
+    digest.update(" ".join([cc, *CFLAGS, *OPENMP_FLAGS]).encode())
     try:  # -march=native depends on the CPU: a cache dir shared between machines must not mix builds
         digest.update(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].encode())
     except (OSError, IndexError):
@@ -69,7 +72,10 @@ def load_kernel() -> ctypes.CDLL:
         # Build into a temporary name and rename: concurrent processes never load a half-written file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        for extra in (OPENMP_FLAGS, []):
+            proc = subprocess.run([cc, *CFLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if proc.returncode == 0:
+                break
         if proc.returncode != 0:
             os.unlink(tmp)
             raise KernelUnavailable(f"building {SOURCE.name} with {cc} failed:\n{proc.stderr.strip()}")
@@ -79,7 +85,15 @@ def load_kernel() -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64]
     fn.restype = ctypes.c_int
+    lib.paged_decode_uses_openmp.argtypes = []
+    lib.paged_decode_uses_openmp.restype = ctypes.c_int
     return lib
+
+
+def kernel_threading() -> str:
+    """``"openmp"`` when the kernel's threads are the process's OpenMP workers (torch's, when torch
+    loaded libgomp first), ``"pthreads"`` when the compiler had no OpenMP and it starts its own."""
+    return "openmp" if load_kernel().paged_decode_uses_openmp() else "pthreads"
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
