@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.kernels.rotary import rotary_qkv
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 and cast back, as transformers' ``LlamaRMSNorm``."""
@@ -184,6 +186,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim
         x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
         out = torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
     return out.view(shape)
+
+
+def apply_rotary_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE on ``q`` and ``k`` (``[n, heads * head_dim]``, e.g. views into a merged qkv output), and
+    all three returned contiguous, as attention backends take them.
+
+    For fp32 on CPU this is one call of a C kernel (:mod:`framework.kernels.rotary`), bitwise equal
+    to :func:`apply_rotary` (same products and sums, no fused multiply-add); elsewhere the torch ops.
+    """
+    fused = rotary_qkv(q, k, v, cos, sin, head_dim)
+    if fused is not None:
+        return fused
+    return (apply_rotary(q, cos, sin, head_dim).contiguous(), apply_rotary(k, cos, sin, head_dim).contiguous(),
+            v.contiguous())
 
 
 def get_rope(hf_config: Any, head_dim: int, max_position: int | None = None) -> RotaryEmbedding:

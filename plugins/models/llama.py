@@ -20,7 +20,7 @@ from torch import nn
 
 from framework.attention.base import Attention
 from framework.models.cpu_linear import linear_add
-from framework.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, get_rope
+from framework.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_qkv, get_rope
 
 if TYPE_CHECKING:
     from framework.engine.forward_batch import ForwardBatch
@@ -74,10 +74,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_transform(q, k)
-        cos, sin = cos_sin
-        q = apply_rotary(q, cos, sin, self.head_dim)
-        k = apply_rotary(k, cos, sin, self.head_dim)
-        out = self.attn(q.contiguous(), k.contiguous(), v.contiguous(), forward_batch)
+        q, k, v = apply_rotary_qkv(q, k, v, *cos_sin, self.head_dim)
+        out = self.attn(q, k, v, forward_batch)
         return linear_add(self.o_proj, out, residual)
 
 

@@ -265,7 +265,7 @@ def test_load_generation_config(tmp_path: Path) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(9, 64), (1, 768), (300, 768), (5, 3, 128)])
 def test_rmsnorm_matches_hf(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    """Bitwise, at the widths and row counts of real models (fp32 takes torch's fused rms_norm)."""
+    """Bitwise, at the widths and row counts of real models."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     torch.manual_seed(0)

@@ -1,86 +1,37 @@
 """Build (once, cached) and call the C paged-decode kernel in ``decode_kernel.c``.
 
-The kernel is plain C with no torch headers, so building it takes about a second with the system C
-compiler, and calling it through ctypes releases the GIL. The shared object is cached under
-``$PLUGSERVE_CACHE_DIR`` (default ``~/.cache/plugserve``) keyed by a hash of the source, the flags
-and the CPU's feature flags, so a changed source or another machine never reuses a stale build.
+Building and caching is :mod:`framework.kernels.build`'s; this module declares the signature and
+checks every tensor before handing its memory to C.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from framework.kernels.build import KernelUnavailable, build_and_load, compiler
+
+__all__ = ["KV_DTYPES", "KernelUnavailable", "compiler", "kernel_threading", "load_kernel", "paged_decode_attention"]
+
 SOURCE = Path(__file__).with_name("decode_kernel.c")
 # -march=native: the build happens on the machine that runs it. Reassociation lets gcc vectorise
 # the dot products (the result differs from SDPA's order by float rounding only); no -ffast-math,
-# so expf and inf/nan handling stay IEEE.
+# so expf and inf/nan handling stay IEEE. -pthread for the variant built without OpenMP.
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
           "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast", "-pthread"]
-# OpenMP, so that the kernel's threads are torch's own (see the kernel); a compiler without it (clang
-# lacking libomp) builds the pthread variant instead.
-OPENMP_FLAGS = ["-fopenmp"]
 
 
 #: K/V cache element types the kernel reads.
 KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class KernelUnavailable(RuntimeError):
-    """The C kernel cannot be built or loaded here (no compiler, or the build failed)."""
-
-
-def compiler() -> str | None:
-    """The C compiler to use: ``$CC``, else ``cc`` / ``gcc`` / ``clang`` on PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PLUGSERVE_CACHE_DIR") or Path.home() / ".cache" / "plugserve") / "kernels"
-
-
-def _build_key(cc: str) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([cc, *CFLAGS, *OPENMP_FLAGS]).encode())
-    try:  # -march=native depends on the CPU: a cache dir shared between machines must not mix builds
-        digest.update(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].encode())
-    except (OSError, IndexError):
-        pass
-    return digest.hexdigest()[:16]
-
-
 @lru_cache(maxsize=1)
 def load_kernel() -> ctypes.CDLL:
     """Build the kernel if no cached build exists, load it and declare its signature."""
-    cc = compiler()
-    if cc is None:
-        raise KernelUnavailable("no C compiler found (set $CC or install gcc)")
-    target = cache_dir() / f"cpu_paged_decode-{_build_key(cc)}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build into a temporary name and rename: concurrent processes never load a half-written file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        for extra in (OPENMP_FLAGS, []):
-            proc = subprocess.run([cc, *CFLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-            if proc.returncode == 0:
-                break
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise KernelUnavailable(f"building {SOURCE.name} with {cc} failed:\n{proc.stderr.strip()}")
-        os.replace(tmp, target)
-    lib = ctypes.CDLL(str(target))
+    lib = build_and_load(SOURCE, "cpu_paged_decode", CFLAGS)
     fn = lib.paged_decode_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64]

@@ -1,0 +1,75 @@
+"""Fused rotary embedding for fp32 q/k on CPU (``rotary.c``), bitwise equal to the torch form.
+
+:func:`rotary_qkv` is what the models call through :func:`framework.models.layers.apply_rotary_qkv`;
+it returns ``None`` when the kernel does not apply (not fp32, not CPU, a layout it does not take, no
+C compiler), and the caller then runs the torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from framework.kernels.build import KernelUnavailable, build_and_load
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rotary.c")
+# -ffp-contract=off: no fused multiply-add; every product and sum must round on its own, as in torch (bitwise equality).
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off"]
+
+
+@lru_cache(maxsize=1)
+def _load() -> ctypes.CDLL | None:
+    try:
+        lib = build_and_load(SOURCE, "rotary", CFLAGS)
+    except KernelUnavailable as exc:
+        logger.info("fused rotary kernel unavailable, using torch ops: %s", exc)
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rotary_qkv_f32.argtypes = [p, i64, p, i64, p, i64, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64]
+    lib.rotary_qkv_f32.restype = ctypes.c_int
+    return lib
+
+
+def kernel_available() -> bool:
+    """Whether the C kernel builds and loads here."""
+    return _load() is not None
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """A 2-D fp32 CPU tensor whose rows have contiguous elements (any row stride)."""
+    return t.dim() == 2 and t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(1) == 1
+
+
+def rotary_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Rotated ``q`` and ``k`` and a copy of ``v``, all new contiguous ``[n, heads * head_dim]``
+    tensors; ``None`` when the kernel does not apply. ``q``/``k``/``v`` are ``[n, heads * head_dim]``
+    (row strides free: views into a merged qkv output are fine); ``cos``/``sin`` ``[n, 1, rot]``."""
+    n = q.shape[0]
+    if not (_rows(q) and _rows(k) and _rows(v)) or k.shape[1] != v.shape[1] or n != k.shape[0] or n != v.shape[0]:
+        return None
+    if q.shape[1] % head_dim or k.shape[1] % head_dim:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None  # autograd cannot see through the kernel
+    cos2, sin2 = cos.reshape(n, -1), sin.reshape(n, -1)
+    if not (_rows(cos2) and _rows(sin2)) or cos2.stride(0) != sin2.stride(0) or cos2.shape != sin2.shape:
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    q_out, k_out, v_out = (torch.empty(t.shape, dtype=torch.float32) for t in (q, k, v))
+    status = lib.rotary_qkv_f32(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos2.data_ptr(),
+        sin2.data_ptr(), cos2.stride(0), q_out.data_ptr(), k_out.data_ptr(), v_out.data_ptr(), n,
+        q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim, cos2.shape[1], torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"rotary_qkv: rotary dim {cos2.shape[1]} must be even and at most head_dim {head_dim}")
+    return q_out, k_out, v_out
