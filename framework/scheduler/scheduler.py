@@ -382,6 +382,7 @@ class Scheduler(OverlapDecodeMixin):
         return {
             "num_running": self.num_running(),
             "num_waiting": len(self.waiting),
+            "num_waiting_tokens": sum(len(r.input_ids) for r in self.waiting),
             "kv_used_tokens": self.kv.used_tokens(),
             "kv_total_tokens": self.kv.total_tokens(),
             "num_retractions": self.num_retractions,

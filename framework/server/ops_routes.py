@@ -94,14 +94,30 @@ async def server_info(request: Request) -> Response:
     return JSONResponse(body)
 
 
+def sglang_load(load: dict[str, Any], dp_rank: int = 0) -> dict[str, Any]:
+    """One data-parallel rank's entry of ``/get_load`` in SGLang's shape (``dp_rank``, ``num_reqs``
+    = running + waiting, ``num_waiting_reqs``, ``num_tokens`` = KV tokens held by requests and
+    pinned cache entries plus the prompt tokens still waiting: what sglang-router's
+    ``power_of_two`` policy compares), followed by plugserve's own fields."""
+    return {
+        "dp_rank": dp_rank,
+        "num_reqs": load["num_running"] + load["num_waiting"],
+        "num_waiting_reqs": load["num_waiting"],
+        "num_tokens": load["kv_used_tokens"] + load.get("num_waiting_tokens", 0),
+        **load,
+    }
+
+
 async def get_load(request: Request) -> Response:
+    """``GET /get_load``: a list with one entry per data-parallel rank (plugserve has one), as
+    SGLang answers, so that routers written for SGLang read it."""
     server = _server(request)
     require_bearer(request, server.api_key)
     ok, data = await server.manager.control("get_load", CONTROL_TIMEOUT_S)
     if not ok:
         raise APIError(503, f"the scheduler could not report: {data.get('error')}")
     server.metrics.update_load(data)
-    return JSONResponse(data)
+    return JSONResponse([sglang_load(data)])
 
 
 async def flush_cache(request: Request) -> Response:

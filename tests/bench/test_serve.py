@@ -114,7 +114,7 @@ def test_warm_up_gives_the_measured_requests_no_cache_hits(bench_server) -> None
     import httpx
 
     def hits() -> int:
-        return httpx.get(f"{bench_server.url}/get_load", timeout=30).json()["cache_hit_tokens"]
+        return httpx.get(f"{bench_server.url}/get_load", timeout=30).json()[0]["cache_hit_tokens"]
 
     rng_ids = [[300 + 7 * i + j for j in range(24)] for i in range(3)]  # no prefix shared with other tests
     reqs = [BenchRequest(ids, 2) for ids in rng_ids]

@@ -102,7 +102,7 @@ def test_abort_request_and_flush_while_busy(e2e, http: httpx.Client) -> None:
     thread.start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        load = http.get("/get_load").json()
+        load = http.get("/get_load").json()[0]
         if load["num_running"] >= 1:
             break
         time.sleep(0.05)

@@ -93,7 +93,7 @@ def test_scheduler_death_is_503_and_nonzero_exit(tiny_model, tmp_path_factory: p
             t.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if httpx.get(f"{server.url}/get_load", timeout=10).json()["num_running"] >= 2:
+            if httpx.get(f"{server.url}/get_load", timeout=10).json()[0]["num_running"] >= 2:
                 break
             time.sleep(0.05)
         os.kill(scheduler_pid, signal.SIGKILL)

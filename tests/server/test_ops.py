@@ -34,9 +34,27 @@ def test_server_info_redacts_keys(e2e, http: httpx.Client) -> None:
 
 
 def test_get_load(http: httpx.Client) -> None:
-    load = http.get("/get_load").json()
+    """SGLang's shape (a list, one entry per data-parallel rank, with the fields sglang-router
+    reads) carrying plugserve's own fields too."""
+    loads = http.get("/get_load").json()
+    assert isinstance(loads, list) and len(loads) == 1
+    load = loads[0]
     assert {"num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens", "prefix_cache_hit_rate"} <= set(load)
     assert load["kv_total_tokens"] == KV_TOKENS
+    assert load["dp_rank"] == 0
+    assert load["num_reqs"] == load["num_running"] + load["num_waiting"]
+    assert load["num_waiting_reqs"] == load["num_waiting"]
+    assert load["num_tokens"] == load["kv_used_tokens"] + load["num_waiting_tokens"]
+
+
+def test_sglang_load_counts_waiting_prompts() -> None:
+    """``num_tokens`` is what a busy server holds and has queued, as in SGLang's scheduler."""
+    from framework.server.ops_routes import sglang_load
+
+    busy = {"num_running": 3, "num_waiting": 2, "num_waiting_tokens": 700, "kv_used_tokens": 1200,
+            "kv_total_tokens": 4096}
+    entry = sglang_load(busy)
+    assert (entry["num_reqs"], entry["num_waiting_reqs"], entry["num_tokens"]) == (5, 2, 1900)
 
 
 def _metric(text: str, name: str) -> float:
