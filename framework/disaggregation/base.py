@@ -9,6 +9,7 @@ the schedulers decide which pages go where.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -197,3 +198,48 @@ class TransferBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         """Stop threads and free transport resources."""
+
+
+class RoomTableBackend(TransferBackend):
+    """A :class:`TransferBackend` with the per-room bookkeeping every transport needs: each room's
+    task and the metadata that arrived with it, under one lock (transports complete rooms on their
+    own threads), and ``poll`` / ``metadata`` / ``release`` over them.
+
+    Subclasses add rooms with :meth:`add_room`, record arrived metadata in ``self._metadata`` under
+    ``self._lock``, and drop their own per-room state in :meth:`forget_room`.
+    """
+
+    def __init__(self, role: str, layout: KVLayout, options: Any) -> None:
+        super().__init__(role, layout, options)
+        self._lock = threading.Lock()
+        self._tasks: dict[int, TransferTask] = {}
+        self._metadata: dict[int, bytes] = {}
+
+    def add_room(self, room: int, state: TransferState = TransferState.waiting_for_input) -> TransferTask:
+        """Start tracking ``room`` (replacing any earlier task of the same number)."""
+        task = TransferTask(room, state)
+        with self._lock:
+            self._tasks[room] = task
+        return task
+
+    def poll(self, room: int) -> TransferTask:
+        with self._lock:
+            task = self._tasks.get(room)
+        if task is None:
+            raise KeyError(f"unknown room {room}")
+        return task
+
+    def metadata(self, room: int) -> bytes | None:
+        with self._lock:
+            return self._metadata.get(room)
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            task = self._tasks.pop(room, None)
+            if task is not None:
+                task.fail("released")  # work still queued for it sees a final task and skips it
+            self._metadata.pop(room, None)
+            self.forget_room(room)
+
+    def forget_room(self, room: int) -> None:  # noqa: B027 - optional
+        """Drop the transport's own state of a released room (called with ``self._lock`` held)."""

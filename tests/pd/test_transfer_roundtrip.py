@@ -1,4 +1,5 @@
-"""Byte-exact KV transfer between two real processes on 127.0.0.1, for each installed backend."""
+"""Byte-exact KV transfer between two real processes on 127.0.0.1, for each installed backend; a room
+the sender releases right after sending must go quiescent (its source pages free for reuse)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from framework.disaggregation.addressing import check_compatible, check_pages, merge_page_runs, transfer_spans
-from framework.disaggregation.base import KVLayout, TransferBackend, TransferState, TransferTask
+from framework.disaggregation.base import KVLayout, RoomTableBackend, TransferState
 from plugins.transfer.notify import Notice, NoticeReceiver, NoticeSender
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,10 @@ class MooncakeOptions:
     more than 2048 entries, which a fragmented room (pages x layers x K/V) easily exceeds."""
 
 
-class MooncakeTransferBackend(TransferBackend):
+class MooncakeTransferBackend(RoomTableBackend):
+    """Transfer backend ``mooncake``: one-sided writes into the decode side's registered KV memory,
+    one room at a time on a sender thread, then a zmq notice per room."""
+
     def __init__(self, role: str, layout: KVLayout, options: MooncakeOptions) -> None:
         super().__init__(role, layout, options)
         try:
@@ -58,13 +61,12 @@ class MooncakeTransferBackend(TransferBackend):
         for ptr in layout.ptrs:
             if self.engine.register_memory(ptr, layout.buffer_bytes) != 0:
                 raise RuntimeError("Mooncake register_memory failed")
-        self._lock = threading.Lock()
-        self._tasks: dict[int, TransferTask] = {}
-        self._metadata: dict[int, bytes] = {}
         self._peer: dict[str, Any] | None = None
         self._receiver = NoticeReceiver(options.hostname, self._on_notice) if role == "decode" else None
         self._outbox: queue.Queue[tuple[int, list[int], list[int], bytes] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
+        self._busy_room: int | None = None
+        """The room whose source pages the sender thread is reading right now (``quiescent``)."""
 
     @classmethod
     def create(cls, role: str, layout: KVLayout, options: MooncakeOptions | None = None) -> MooncakeTransferBackend:
@@ -87,10 +89,7 @@ class MooncakeTransferBackend(TransferBackend):
 
     def send(self, room: int, src_pages: list[int], dst_pages: list[int], metadata: bytes) -> None:
         check_pages(self.layout, src_pages, "source")
-        task = TransferTask(room, TransferState.waiting_for_input)
-        task.advance(TransferState.transferring)
-        with self._lock:
-            self._tasks[room] = task
+        self.add_room(room).advance(TransferState.transferring)
         self._outbox.put((room, src_pages, dst_pages, metadata))
 
     def _send_loop(self) -> None:
@@ -102,8 +101,9 @@ class MooncakeTransferBackend(TransferBackend):
                 room, src, dst, metadata = item
                 with self._lock:
                     task = self._tasks.get(room)
-                if task is None or task.state.final:
-                    continue
+                    if task is None or task.state.final:
+                        continue  # released or failed before its turn: its pages are not read
+                    self._busy_room = room
                 error = None
                 try:
                     spans = transfer_spans(self.layout, peer_layout, merge_page_runs(src, dst))
@@ -121,6 +121,7 @@ class MooncakeTransferBackend(TransferBackend):
                     error = f"Mooncake transfer failed: {exc}"
                 notices.send(Notice(room, error is None, metadata if error is None else b"", error))
                 with self._lock:
+                    self._busy_room = None
                     if error is None:
                         if not task.state.final:
                             task.advance(TransferState.success)
@@ -133,9 +134,7 @@ class MooncakeTransferBackend(TransferBackend):
 
     def expect(self, room: int, dst_pages: list[int]) -> None:
         check_pages(self.layout, dst_pages, "destination")
-        task = TransferTask(room, TransferState.waiting_for_input)
-        with self._lock:
-            self._tasks[room] = task
+        self.add_room(room)
 
     def _on_notice(self, notice: Notice) -> None:
         with self._lock:
@@ -151,23 +150,12 @@ class MooncakeTransferBackend(TransferBackend):
 
     # -- both ------------------------------------------------------------------------------
 
-    def poll(self, room: int) -> TransferTask:
+    def quiescent(self, room: int) -> bool:
+        """Sender: False while the sender thread is writing the room's pages, even after it was
+        released (a room still queued is skipped, so it is quiescent). Receiver: True, since the
+        writes are the sender's and this side cannot see them."""
         with self._lock:
-            task = self._tasks.get(room)
-        if task is None:
-            raise KeyError(f"unknown room {room}")
-        return task
-
-    def metadata(self, room: int) -> bytes | None:
-        with self._lock:
-            return self._metadata.get(room)
-
-    def release(self, room: int) -> None:
-        with self._lock:
-            task = self._tasks.pop(room, None)
-            if task is not None:
-                task.fail("released")
-            self._metadata.pop(room, None)
+            return self._busy_room != room
 
     def close(self) -> None:
         self._outbox.put(None)

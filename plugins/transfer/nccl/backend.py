@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from framework.disaggregation.addressing import check_compatible, check_pages, merge_page_runs
-from framework.disaggregation.base import KVLayout, TransferBackend, TransferState, TransferTask
+from framework.disaggregation.base import KVLayout, RoomTableBackend, TransferState, TransferTask
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class NcclOptions:
     """Testing only: how long a room in ``test_stall_rooms`` stalls."""
 
 
-class NcclTransferBackend(TransferBackend):
+class NcclTransferBackend(RoomTableBackend):
     """Sender (``prefill``) or receiver (``decode``) of KV pages over torch.distributed p2p."""
 
     def __init__(self, role: str, layout: KVLayout, options: NcclOptions) -> None:
@@ -76,10 +76,7 @@ class NcclTransferBackend(TransferBackend):
         self.dist_backend = name
         self.device = torch.device(layout.device if name == "nccl" else "cpu")
         self._timeout = datetime.timedelta(seconds=options.timeout_s)
-        self._lock = threading.Lock()
-        self._tasks: dict[int, TransferTask] = {}
         self._expected: dict[int, list[int]] = {}
-        self._metadata: dict[int, bytes] = {}
         self._store: dist.TCPStore | None = None
         self._pg: Any = None
         self._ready = threading.Event()
@@ -294,24 +291,8 @@ class NcclTransferBackend(TransferBackend):
 
     # -- both ------------------------------------------------------------------------------
 
-    def poll(self, room: int) -> TransferTask:
-        with self._lock:
-            task = self._tasks.get(room)
-            if task is None:
-                raise KeyError(f"unknown room {room}")
-            return task
-
-    def metadata(self, room: int) -> bytes | None:
-        with self._lock:
-            return self._metadata.get(room)
-
-    def release(self, room: int) -> None:
-        with self._lock:
-            task = self._tasks.pop(room, None)
-            if task is not None:
-                task.fail("released")  # a send still queued for it is skipped
-            self._expected.pop(room, None)
-            self._metadata.pop(room, None)
+    def forget_room(self, room: int) -> None:
+        self._expected.pop(room, None)
 
     def quiescent(self, room: int) -> bool:
         with self._lock:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import msgspec
 
 from framework.disaggregation.addressing import check_compatible, check_pages, merge_page_runs, transfer_spans
-from framework.disaggregation.base import KVLayout, TransferBackend, TransferState, TransferTask
+from framework.disaggregation.base import KVLayout, RoomTableBackend, TransferState, TransferTask
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,10 @@ class _Notif(msgspec.Struct, array_like=True):
     metadata: bytes
 
 
-class NixlTransferBackend(TransferBackend):
+class NixlTransferBackend(RoomTableBackend):
+    """Transfer backend ``nixl``: one NIXL WRITE per room with a notification that carries the
+    metadata; progress is driven by the schedulers' polls."""
+
     def __init__(self, role: str, layout: KVLayout, options: NixlOptions) -> None:
         super().__init__(role, layout, options)
         try:
@@ -52,10 +54,9 @@ class NixlTransferBackend(TransferBackend):
         self.dev_id = int(layout.device.partition(":")[2] or 0) if gpu else 0
         regs = [(p, layout.buffer_bytes, self.dev_id, "") for p in layout.ptrs]
         self._reg = self.agent.register_memory(self.agent.get_reg_descs(regs, self.mem_type))
-        self._lock = threading.Lock()
-        self._tasks: dict[int, TransferTask] = {}
         self._handles: dict[int, Any] = {}
-        self._metadata: dict[int, bytes] = {}
+        self._draining: dict[int, Any] = {}
+        """Handles of released rooms whose WRITE was still in flight (``quiescent``)."""
         self._peer_name: str | None = None
         self._peer_layout: KVLayout | None = None
 
@@ -76,9 +77,7 @@ class NixlTransferBackend(TransferBackend):
 
     def send(self, room: int, src_pages: list[int], dst_pages: list[int], metadata: bytes) -> None:
         check_pages(self.layout, src_pages, "source")
-        task = TransferTask(room, TransferState.waiting_for_input)
-        with self._lock:
-            self._tasks[room] = task
+        task = self.add_room(room)
         try:
             assert self._peer_name is not None and self._peer_layout is not None, "connect() first"
             spans = transfer_spans(self.layout, self._peer_layout, merge_page_runs(src_pages, dst_pages))
@@ -112,8 +111,7 @@ class NixlTransferBackend(TransferBackend):
 
     def expect(self, room: int, dst_pages: list[int]) -> None:
         check_pages(self.layout, dst_pages, "destination")
-        with self._lock:
-            self._tasks[room] = TransferTask(room, TransferState.waiting_for_input)
+        self.add_room(room)
 
     def _drain_notifs(self) -> None:
         for msgs in self.agent.get_new_notifs().values():
@@ -123,39 +121,48 @@ class NixlTransferBackend(TransferBackend):
                 except msgspec.DecodeError:
                     logger.warning("dropping an undecodable NIXL notification")
                     continue
-                task = self._tasks.get(n.room)
-                if task is None or task.state.final:
-                    continue
-                task.advance(TransferState.transferring)
-                self._metadata[n.room] = n.metadata
-                task.advance(TransferState.success)
+                with self._lock:
+                    task = self._tasks.get(n.room)
+                    if task is None or task.state.final:
+                        continue
+                    task.advance(TransferState.transferring)
+                    self._metadata[n.room] = n.metadata
+                    task.advance(TransferState.success)
 
     # -- both ------------------------------------------------------------------------------
 
     def poll(self, room: int) -> TransferTask:
-        task = self._tasks.get(room)
-        if task is None:
-            raise KeyError(f"unknown room {room}")
+        task = super().poll(room)
         if self.role == "prefill":
             self._progress_send(room, task)
         elif not task.state.final:
             self._drain_notifs()
         return task
 
-    def metadata(self, room: int) -> bytes | None:
-        return self._metadata.get(room)
-
-    def release(self, room: int) -> None:
-        task = self._tasks.pop(room, None)
-        if task is not None:
-            task.fail("released")
-        self._metadata.pop(room, None)
+    def forget_room(self, room: int) -> None:
         handle = self._handles.pop(room, None)
         if handle is not None:
-            try:
-                self.agent.release_xfer_handle(handle)
-            except Exception:  # an in-flight handle cannot be released: NIXL frees it with the agent
-                logger.debug("NIXL handle of room %d not released", room, exc_info=True)
+            self._draining[room] = handle  # NIXL may still be reading its pages: see quiescent
+
+    def quiescent(self, room: int) -> bool:
+        """Sender: False while the released room's WRITE is still in flight (NIXL reads its source
+        pages until the handle is done); its handle is released once it is. Receiver: True, since
+        the writes are the sender's and this side cannot see them."""
+        handle = self._draining.get(room)
+        if handle is None:
+            return True
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception:  # the agent is gone or broken: nothing moves any more
+            state = "ERR"
+        if state == "PROC":
+            return False
+        self._draining.pop(room, None)
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:
+            logger.debug("NIXL handle of room %d not released", room, exc_info=True)
+        return True
 
     def close(self) -> None:
         """Release handles, forget the peer, deregister and drop the agent, in that order (UCX
@@ -163,12 +170,13 @@ class NixlTransferBackend(TransferBackend):
         agent, self.agent = self.agent, None
         if agent is None:
             return
-        for handle in self._handles.values():
+        for handle in [*self._handles.values(), *self._draining.values()]:
             try:
                 agent.release_xfer_handle(handle)
             except Exception:
                 logger.debug("NIXL handle release failed", exc_info=True)
         self._handles.clear()
+        self._draining.clear()
         try:
             if self._peer_name is not None:
                 agent.remove_remote_agent(self._peer_name)
