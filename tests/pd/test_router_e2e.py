@@ -164,7 +164,10 @@ def wait_for_workers(url: str, count: int, timeout_s: float = 120.0) -> dict:
     raise TimeoutError(f"sglang-router did not register {count} healthy workers: {info}")
 
 
-def test_sglang_router_pd_mode_fronts_plugserve(workload, tmp_path):
+@pytest.mark.parametrize("policy", ["round_robin", "power_of_two"])
+def test_sglang_router_pd_mode_fronts_plugserve(workload, tmp_path, policy):
+    """Both policies end to end; ``power_of_two`` also polls each server's ``/get_load`` (every 30 s,
+    so a run this short sees its first poll only; the shape itself is checked in tests/server)."""
     exe = sglang_router_python()
     if exe is None:
         pytest.skip("sglang_router is not importable here and $SGLANG_ROUTER_PYTHON names no interpreter that has "
@@ -172,7 +175,7 @@ def test_sglang_router_pd_mode_fronts_plugserve(workload, tmp_path):
     prefill, decode, b_port = start_pd_servers(tmp_path, workload[0], "nccl")
     r_port = free_port()
     router = spawn(["--pd-disaggregation", "--prefill", prefill.url, str(b_port), "--decode", decode.url,
-                    "--host", "127.0.0.1", "--port", str(r_port), "--policy", "round_robin",
+                    "--host", "127.0.0.1", "--port", str(r_port), "--policy", policy,
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
                    tmp_path / "sglang-router.log", r_port, exe=[exe, "-m", "sglang_router.launch_router"])
     try:
