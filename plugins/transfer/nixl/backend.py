@@ -135,34 +135,49 @@ class NixlTransferBackend(RoomTableBackend):
         task = super().poll(room)
         if self.role == "prefill":
             self._progress_send(room, task)
+            if self._draining:
+                self._sweep_draining()
         elif not task.state.final:
             self._drain_notifs()
         return task
 
-    def forget_room(self, room: int) -> None:
-        handle = self._handles.pop(room, None)
-        if handle is not None:
-            self._draining[room] = handle  # NIXL may still be reading its pages: see quiescent
-
-    def quiescent(self, room: int) -> bool:
-        """Sender: False while the released room's WRITE is still in flight (NIXL reads its source
-        pages until the handle is done); its handle is released once it is. Receiver: True, since
-        the writes are the sender's and this side cannot see them."""
-        handle = self._draining.get(room)
-        if handle is None:
-            return True
+    def _xfer_done(self, handle: Any) -> bool:
         try:
-            state = self.agent.check_xfer_state(handle)
+            return self.agent.check_xfer_state(handle) != "PROC"
         except Exception:  # the agent is gone or broken: nothing moves any more
-            state = "ERR"
-        if state == "PROC":
-            return False
-        self._draining.pop(room, None)
+            return True
+
+    def _release_handle(self, room: int, handle: Any) -> None:
         try:
             self.agent.release_xfer_handle(handle)
         except Exception:
             logger.debug("NIXL handle of room %d not released", room, exc_info=True)
-        return True
+
+    def forget_room(self, room: int) -> None:
+        handle = self._handles.pop(room, None)
+        if handle is None:
+            return
+        if self._xfer_done(handle):
+            self._release_handle(room, handle)
+        else:
+            self._draining[room] = handle  # NIXL still reads its pages: see quiescent
+
+    def _sweep_draining(self) -> None:
+        """Release the handles of released rooms whose WRITE has ended."""
+        for room, handle in list(self._draining.items()):
+            if self._xfer_done(handle):
+                del self._draining[room]
+                self._release_handle(room, handle)
+
+    def quiescent(self, room: int) -> bool:
+        """Sender: False while the room's WRITE is in flight (NIXL reads its source pages until the
+        handle is done), whether the room failed (a timeout) or was released. Receiver: True, since
+        the writes are the sender's and this side cannot see them."""
+        live = self._handles.get(room)
+        if live is not None and not self._xfer_done(live):
+            return False
+        self._sweep_draining()
+        return room not in self._draining
 
     def close(self) -> None:
         """Release handles, forget the peer, deregister and drop the agent, in that order (UCX
