@@ -27,7 +27,7 @@ CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off"]
 def _load() -> ctypes.CDLL | None:
     try:
         lib = build_and_load(SOURCE, "rotary", CFLAGS)
-    except KernelUnavailable as exc:
+    except (KernelUnavailable, OSError) as exc:  # no compiler, or no writable cache directory
         logger.info("fused rotary kernel unavailable, using torch ops: %s", exc)
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
