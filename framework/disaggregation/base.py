@@ -206,7 +206,9 @@ class RoomTableBackend(TransferBackend):
     own threads), and ``poll`` / ``metadata`` / ``release`` over them.
 
     Subclasses add rooms with :meth:`add_room`, record arrived metadata in ``self._metadata`` under
-    ``self._lock``, and drop their own per-room state in :meth:`forget_room`.
+    ``self._lock``, and drop their own per-room state in :meth:`forget_room`. A transport whose
+    worker thread moves one room at a time sets ``self._busy_room`` (under the lock) while it
+    touches that room's pages; :meth:`quiescent` answers from it.
     """
 
     def __init__(self, role: str, layout: KVLayout, options: Any) -> None:
@@ -214,6 +216,8 @@ class RoomTableBackend(TransferBackend):
         self._lock = threading.Lock()
         self._tasks: dict[int, TransferTask] = {}
         self._metadata: dict[int, bytes] = {}
+        self._busy_room: int | None = None
+        """The room whose pages the transport's worker is reading or writing right now."""
 
     def add_room(self, room: int, state: TransferState = TransferState.waiting_for_input) -> TransferTask:
         """Start tracking ``room`` (replacing any earlier task of the same number)."""
@@ -240,6 +244,12 @@ class RoomTableBackend(TransferBackend):
                 task.fail("released")  # work still queued for it sees a final task and skips it
             self._metadata.pop(room, None)
             self.forget_room(room)
+
+    def quiescent(self, room: int) -> bool:
+        """False while the worker is on this room (``self._busy_room``), even after the room failed or
+        was released; a room still queued when released is skipped, so it is quiescent."""
+        with self._lock:
+            return self._busy_room != room
 
     def forget_room(self, room: int) -> None:  # noqa: B027 - optional
         """Drop the transport's own state of a released room (called with ``self._lock`` held)."""

@@ -59,3 +59,16 @@ def test_release_fails_a_pending_task_so_queued_work_skips_it() -> None:
     task = b.poll(3)
     b.release(3)
     assert task.state is TransferState.failed and task.error == "released"
+
+
+def test_busy_room_is_not_quiescent_even_after_release() -> None:
+    b = _Recorder()
+    b.expect(5, [1])
+    b.expect(6, [2])
+    with b._lock:
+        b._busy_room = 5  # the transport's worker is on room 5's pages
+    b.release(5)
+    assert not b.quiescent(5) and b.quiescent(6)
+    with b._lock:
+        b._busy_room = None
+    assert b.quiescent(5)

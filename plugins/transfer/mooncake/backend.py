@@ -41,7 +41,8 @@ class MooncakeOptions:
 
 class MooncakeTransferBackend(RoomTableBackend):
     """Transfer backend ``mooncake``: one-sided writes into the decode side's registered KV memory,
-    one room at a time on a sender thread, then a zmq notice per room."""
+    one room at a time on a sender thread (its ``_busy_room``: the sender is quiescent once it has
+    moved on), then a zmq notice per room. The receiver cannot see the writes: always quiescent."""
 
     def __init__(self, role: str, layout: KVLayout, options: MooncakeOptions) -> None:
         super().__init__(role, layout, options)
@@ -65,8 +66,6 @@ class MooncakeTransferBackend(RoomTableBackend):
         self._receiver = NoticeReceiver(options.hostname, self._on_notice) if role == "decode" else None
         self._outbox: queue.Queue[tuple[int, list[int], list[int], bytes] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
-        self._busy_room: int | None = None
-        """The room whose source pages the sender thread is reading right now (``quiescent``)."""
 
     @classmethod
     def create(cls, role: str, layout: KVLayout, options: MooncakeOptions | None = None) -> MooncakeTransferBackend:
@@ -149,13 +148,6 @@ class MooncakeTransferBackend(RoomTableBackend):
                 task.fail(notice.error or "the sender reported a failed transfer")
 
     # -- both ------------------------------------------------------------------------------
-
-    def quiescent(self, room: int) -> bool:
-        """Sender: False while the sender thread is writing the room's pages, even after it was
-        released (a room still queued is skipped, so it is quiescent). Receiver: True, since the
-        writes are the sender's and this side cannot see them."""
-        with self._lock:
-            return self._busy_room != room
 
     def close(self) -> None:
         self._outbox.put(None)

@@ -86,8 +86,6 @@ class NcclTransferBackend(RoomTableBackend):
         self._peer_layout: KVLayout | None = None
         self._peer: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
-        self._busy_room: int | None = None
-        """The room whose pages the worker is reading or writing right now (see ``quiescent``)."""
         self._works: list[Any] = []
         """The point-to-point operations in progress (aborted by ``close``)."""
         if role == "prefill":
@@ -293,10 +291,6 @@ class NcclTransferBackend(RoomTableBackend):
 
     def forget_room(self, room: int) -> None:
         self._expected.pop(room, None)
-
-    def quiescent(self, room: int) -> bool:
-        with self._lock:
-            return self._busy_room != room
 
     def link_error(self) -> str | None:
         return self._broken

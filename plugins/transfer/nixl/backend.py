@@ -105,7 +105,7 @@ class NixlTransferBackend(RoomTableBackend):
             task.fail("NIXL transfer failed")
         else:
             return
-        self.agent.release_xfer_handle(self._handles.pop(room))
+        self._release_handle(room, self._handles.pop(room))
 
     # -- receiver --------------------------------------------------------------------------
 
