@@ -14,9 +14,11 @@ import torch
 
 from framework.kernels.build import KernelUnavailable, build_and_load, compiler
 
-__all__ = ["KV_DTYPES", "KernelUnavailable", "compiler", "kernel_threading", "load_kernel", "paged_decode_attention"]
+__all__ = ["KV_DTYPES", "KernelUnavailable", "compiler", "extend_supported", "kernel_threading", "load_extend_kernel",
+           "load_kernel", "paged_decode_attention", "paged_extend_attention"]
 
 SOURCE = Path(__file__).with_name("decode_kernel.c")
+EXTEND_SOURCE = Path(__file__).with_name("extend_kernel.c")
 # -march=native: the build happens on the machine that runs it. Reassociation lets gcc vectorise
 # the dot products (the result differs from SDPA's order by float rounding only); no -ffast-math,
 # so expf and inf/nan handling stay IEEE. -pthread for the variant built without OpenMP.
@@ -41,6 +43,28 @@ def load_kernel() -> ctypes.CDLL:
     return lib
 
 
+@lru_cache(maxsize=1)
+def load_extend_kernel() -> ctypes.CDLL:
+    """Build (if not cached) and load the extend kernel of ``extend_kernel.c``."""
+    lib = build_and_load(EXTEND_SOURCE, "cpu_paged_extend", CFLAGS)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.paged_extend_attention.argtypes = [p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64]
+    lib.paged_extend_attention.restype = ctypes.c_int
+    return lib
+
+
+def extend_supported(head_dim: int) -> bool:
+    """Head sizes the extend kernel takes: multiples of 16 up to 128 (one vector of 16 floats is
+    its unit, and at most 8 of them per query row stay in registers)."""
+    return head_dim % 16 == 0 and 0 < head_dim <= 128
+
+
+def _check(args: tuple[tuple[str, torch.Tensor, torch.dtype], ...]) -> None:
+    for name, t, dtype in args:
+        if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: need a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device}")
+
+
 def kernel_threading() -> str:
     """``"openmp"`` when the kernel's threads are the process's OpenMP workers (torch's, when torch
     loaded libgomp first), ``"pthreads"`` when the compiler had no OpenMP and it starts its own."""
@@ -58,12 +82,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     wrong layout would read garbage).
     """
     kv_dtype = k_cache.dtype if k_cache.dtype in KV_DTYPES else torch.float32
-    for name, t, dtype in (("q", q, torch.float32), ("k_cache", k_cache, kv_dtype),
-                           ("v_cache", v_cache, kv_dtype), ("out", out, torch.float32),
-                           ("req_to_token", req_to_token, torch.int32), ("rows", rows, torch.int64),
-                           ("lens", lens, torch.int64)):
-        if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name}: need a contiguous CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    _check((("q", q, torch.float32), ("k_cache", k_cache, kv_dtype), ("v_cache", v_cache, kv_dtype),
+            ("out", out, torch.float32), ("req_to_token", req_to_token, torch.int32), ("rows", rows, torch.int64),
+            ("lens", lens, torch.int64)))
     bs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     status = load_kernel().paged_decode_attention(
@@ -73,3 +94,30 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     )
     if status != 0:
         raise RuntimeError(f"paged_decode_attention failed with status {status} (out of memory or bad head counts)")
+
+
+def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                           req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
+                           q_lens: torch.Tensor, scale: float, num_threads: int) -> None:
+    """Causal attention of each request's new tokens over its whole context, into ``out``.
+
+    Request ``b``'s queries are the next ``q_lens[b]`` rows of ``q`` (requests in order); query
+    ``i`` sits at position ``prefix_lens[b] + i`` and sees the keys at positions up to its own,
+    read from ``k_cache``/``v_cache`` through ``req_to_token[rows[b]]`` (so the new tokens' K/V
+    must be stored first). ``q``/``out`` ``[tokens, heads, head_dim]`` fp32, the caches fp32 or
+    bf16 ``[slots, kv_heads, head_dim]``, ``rows``/``prefix_lens``/``q_lens`` ``[bs]`` int64.
+    """
+    kv_dtype = k_cache.dtype if k_cache.dtype in KV_DTYPES else torch.float32
+    _check((("q", q, torch.float32), ("k_cache", k_cache, kv_dtype), ("v_cache", v_cache, kv_dtype),
+            ("out", out, torch.float32), ("req_to_token", req_to_token, torch.int32), ("rows", rows, torch.int64),
+            ("prefix_lens", prefix_lens, torch.int64), ("q_lens", q_lens, torch.int64)))
+    tokens, num_heads, head_dim = q.shape
+    if int(q_lens.sum()) != tokens or out.shape != q.shape:
+        raise ValueError(f"q has {tokens} rows but q_lens sum to {int(q_lens.sum())} (out {tuple(out.shape)})")
+    status = load_extend_kernel().paged_extend_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), req_to_token.data_ptr(),
+        req_to_token.shape[1], rows.data_ptr(), prefix_lens.data_ptr(), q_lens.data_ptr(), rows.shape[0], num_heads,
+        k_cache.shape[1], head_dim, float(scale), num_threads, int(kv_dtype == torch.bfloat16),
+    )
+    if status != 0:
+        raise RuntimeError(f"paged_extend_attention failed with status {status} (out of memory or bad head sizes)")

@@ -1,0 +1,64 @@
+"""RMSNorm of fp32 rows on CPU in one C call (``rmsnorm.c``).
+
+:func:`rms_norm` returns ``None`` when the kernel does not apply (not fp32, not CPU, autograd on,
+rows that are not contiguous, no C compiler), and the caller then runs the torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from framework.kernels.build import KernelUnavailable, build_and_load
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rmsnorm.c")
+# -ffp-contract=off: every square, product and sum rounds on its own, as in the torch ops.
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off"]
+
+
+@lru_cache(maxsize=1)
+def _load() -> ctypes.CDLL | None:
+    try:
+        lib = build_and_load(SOURCE, "rmsnorm", CFLAGS)
+    except (KernelUnavailable, OSError) as exc:  # no compiler, or no writable cache directory
+        logger.info("RMSNorm kernel unavailable, using torch ops: %s", exc)
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rmsnorm_f32.argtypes = [p, i64, p, p, i64, i64, ctypes.c_float, i64]
+    lib.rmsnorm_f32.restype = ctypes.c_int
+    return lib
+
+
+def kernel_available() -> bool:
+    """Whether the C kernel builds and loads here."""
+    return _load() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` over the last dim as a new contiguous tensor,
+    or ``None`` when the kernel does not apply."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None  # autograd cannot see through the kernel
+    d = x.shape[-1]
+    if weight.shape != (d,) or not weight.is_contiguous() or weight.device.type != "cpu" or d == 0:
+        return None
+    rows = x.reshape(-1, d) if x.dim() != 2 else x
+    if rows.stride(1) != 1 and rows.shape[1] > 1:
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    n = rows.shape[0]
+    if n:
+        lib.rmsnorm_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), n, d, float(eps),
+                        torch.get_num_threads())
+    return out.view(x.shape)

@@ -1,0 +1,85 @@
+"""The ``cpu_paged`` C extend (prefill) kernel against plain SDPA: scattered pages, cached
+prefixes, GQA, head sizes, both cache types and several threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plugins.attention.cpu_paged.kernel import extend_supported, paged_extend_attention
+
+
+def _case(prefix_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    bs, num_slots = len(q_lens), 8192
+    k = torch.randn(num_slots, kv_heads, head_dim, generator=g)
+    v = torch.randn(num_slots, kv_heads, head_dim, generator=g)
+    width = max(p + n for p, n in zip(prefix_lens, q_lens, strict=True)) + 3
+    table = torch.zeros(bs + 3, width, dtype=torch.int32)
+    slots = torch.randperm(num_slots - 1, generator=g) + 1  # slot 0 is the padding page: never used
+    rows = torch.randperm(bs + 3, generator=g)[:bs]  # rows in any order
+    used = 0
+    for b, (p, n) in enumerate(zip(prefix_lens, q_lens, strict=True)):
+        table[rows[b], : p + n] = slots[used:used + p + n].to(torch.int32)
+        used += p + n
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g) * 2  # sharper softmax than unit scores
+    return q, k, v, table, rows.to(torch.int64)
+
+
+def _reference(q, k, v, table, rows, prefix_lens, q_lens, scale):
+    """Per request: SDPA over its whole context with the causal mask at its absolute positions."""
+    out, start = torch.empty_like(q), 0
+    for b, (p, n) in enumerate(zip(prefix_lens, q_lens, strict=True)):
+        s = table[rows[b], : p + n].long()
+        mask = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
+        qb = q[start:start + n].transpose(0, 1)[None]
+        kb, vb = k[s].transpose(0, 1)[None], v[s].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + n] = o[0].transpose(0, 1)
+        start += n
+    return out
+
+
+CASES = [
+    ([0], [1]),                     # one token, no prefix
+    ([0, 0, 0], [128, 5, 17]),      # fresh prompts, lengths off the 4-row and 16-key blocks
+    ([33, 0, 100], [1, 64, 50]),    # cached prefixes next to a fresh prompt
+    ([200], [3]),                   # a long prefix, a short chunk
+    ([0, 16], [16, 16]),            # exactly on the block sizes
+]
+
+
+@pytest.mark.parametrize(("prefix_lens", "q_lens"), CASES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 12, 64), (8, 2, 128), (4, 1, 32), (6, 3, 48)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_sdpa(prefix_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+                             threads: int, kv_dtype: torch.dtype) -> None:
+    """The reference is fp32 SDPA over exactly the values the cache holds (bf16 K/V widened back)."""
+    q, k, v, table, rows = _case(prefix_lens, q_lens, heads, kv_heads, head_dim, seed=sum(q_lens) + head_dim)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    out = torch.full_like(q, float("nan"))  # every element must be written
+    scale = head_dim**-0.5
+    paged_extend_attention(q, k, v, out, table, rows, torch.tensor(prefix_lens), torch.tensor(q_lens), scale,
+                           threads)
+    ref = _reference(q, k.float(), v.float(), table, rows, prefix_lens, q_lens, scale)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), (out - ref).abs().max()
+
+
+def test_head_sizes_it_takes() -> None:
+    assert [d for d in (16, 40, 48, 64, 80, 96, 128, 256) if extend_supported(d)] == [16, 48, 64, 80, 96, 128]
+
+
+def test_kernel_refuses_wrong_layouts() -> None:
+    q, k, v, table, rows = _case([0], [8], 4, 2, 64, seed=0)
+    out, pre, n = torch.empty_like(q), torch.tensor([0]), torch.tensor([8])
+    with pytest.raises(ValueError, match="req_to_token: need a contiguous CPU torch.int32"):
+        paged_extend_attention(q, k, v, out, table.long(), rows, pre, n, 0.1, 1)
+    with pytest.raises(ValueError, match="q_lens: need a contiguous CPU torch.int64"):
+        paged_extend_attention(q, k, v, out, table, rows, pre, n.int(), 0.1, 1)
+    with pytest.raises(ValueError, match="q has 8 rows but q_lens sum to 7"):
+        paged_extend_attention(q, k, v, out, table, rows, pre, torch.tensor([7]), 0.1, 1)
+    with pytest.raises(RuntimeError, match="status 2"):  # a head size the kernel does not take
+        paged_extend_attention(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous(),
+                               out[..., :40].contiguous(), table, rows, pre, n, 0.1, 1)
