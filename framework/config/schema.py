@@ -70,8 +70,9 @@ class DeviceConfig:
     seed: int = 0
     """Seed of the global RNG that unseeded sampling uses."""
     cpu_linear: CpuLinear = CpuLinear.auto
-    """Linear layers on CPU: onednn (weights pre-packed once for oneDNN, ~1.4-2x faster fp32 GEMM/GEMV
-    on AVX2), aten (torch's F.linear) or auto (onednn for fp32 models when torch has it)."""
+    """Linear layers on CPU: onednn (weights pre-packed once for oneDNN, ~1.4-2x faster fp32 GEMM/GEMV;
+    bf16 too on CPUs with native bf16 dot products), aten (torch's F.linear) or auto (onednn for the
+    models it can pack when torch has it)."""
 
 
 @dataclass

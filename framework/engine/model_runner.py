@@ -21,7 +21,7 @@ from framework.engine.forward_batch import ForwardBatch
 from framework.errors import ConfigError
 from framework.memory.kv_allocator import PagedKVAllocator
 from framework.memory.kv_cache import KVCache
-from framework.models.cpu_linear import onednn_linear_available, pack_linear_layers
+from framework.models.cpu_linear import onednn_linear_available, pack_linear_layers, packable_dtypes
 from framework.models.loader import build_model, config_dtype, load_hf_config, resolve_dtype
 from framework.plugins import get_registry
 
@@ -109,13 +109,14 @@ class ModelRunner:
         self.cuda_graph_runner: CudaGraphRunner | None = maybe_create_cuda_graph_runner(self, settings.cuda_graph)
 
     def _pack_cpu_linears(self, choice: str) -> str:
-        """Swap fp32 linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
+        """Swap linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
         if self.device.type != "cpu" or choice == "aten":
             return "aten"
-        usable = onednn_linear_available() and self.dtype == torch.float32
+        usable = onednn_linear_available() and self.dtype in packable_dtypes()
         if choice == "onednn" and not usable:
             raise ConfigError(
-                "device.cpu_linear: onednn needs a float32 model and a torch build with oneDNN "
+                "device.cpu_linear: onednn needs a float32 model (or bfloat16 on a CPU with native bf16 "
+                "dot products) and a torch build with oneDNN "
                 f"(model dtype {str(self.dtype).removeprefix('torch.')}, oneDNN available: "
                 f"{onednn_linear_available()}); allowed values: auto, onednn, aten"
             )

@@ -1,4 +1,5 @@
-"""Pre-packed oneDNN linear layers for fp32 inference on CPU.
+"""Pre-packed oneDNN linear layers for fp32 (and, where the CPU has bf16 dot products, bf16)
+inference on CPU.
 
 Why: on this project's CPU class (AVX2, no AVX-512) torch's ``F.linear`` goes through MKL's sgemm,
 which measured 90-140 GFLOP/s for prefill-sized GEMMs and ~9-12 GB/s of weight reads for the
@@ -8,6 +9,11 @@ on the same machine. Reordering costs a copy per weight at load time and nothing
 
 Numerics: oneDNN accumulates in a different order than MKL, so results differ from ``F.linear`` by
 float32 rounding (~1e-6 relative); greedy outputs stay equal to transformers' on the test models.
+
+bf16: on a CPU with AVX512-BF16 (or AMX), torch's ``F.linear`` already runs oneDNN, but on the
+plain weight layout; packed, the same GEMMs measured 1.1x (1024 rows), 1.3x (64 rows) and 2.6x
+(one row) faster here, bitwise equal to ``F.linear``. Without those instructions bf16 stays on
+``F.linear``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,16 @@ logger = logging.getLogger(__name__)
 _BATCH_SIZE_HINT = 64
 
 
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes :func:`pack_linear_layers` packs here: fp32, plus bf16 where oneDNN has native
+    bf16 kernels for this CPU (elsewhere it would emulate them, slower than ``F.linear``)."""
+    try:
+        bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        bf16 = False
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
 def onednn_linear_available() -> bool:
     """Whether this torch build has the oneDNN packed-linear ops (``torch.ops.mkldnn``)."""
     if not torch.backends.mkldnn.is_available():
@@ -35,7 +51,7 @@ def onednn_linear_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Inference-only stand-in for an fp32 ``nn.Linear`` on CPU, its weight pre-packed for oneDNN.
+    """Inference-only stand-in for an fp32 or bf16 ``nn.Linear`` on CPU, its weight pre-packed for oneDNN.
 
     The packed weight is an opaque oneDNN tensor, so it is kept as a plain attribute (not a
     parameter or buffer): it is never saved, moved or trained. ``weight`` stays available for code
@@ -108,7 +124,7 @@ def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
     return residual + linear(x)
 
 
-def _fuse_swiglu(model: nn.Module) -> int:
+def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
     """Give MLPs that follow the ``gate_up_proj`` + ``act`` (:class:`SiluAndMul`) convention a
     :class:`PackedSwiGLU`; other models are left as they are."""
     from framework.models.layers import SiluAndMul
@@ -116,7 +132,7 @@ def _fuse_swiglu(model: nn.Module) -> int:
     fused = 0
     for module in model.modules():
         gate_up, act = getattr(module, "gate_up_proj", None), getattr(module, "act", None)
-        if type(gate_up) is nn.Linear and type(act) is SiluAndMul and gate_up.weight.dtype == torch.float32:
+        if type(gate_up) is nn.Linear and type(act) is SiluAndMul and gate_up.weight.dtype in dtypes:
             module.gate_up_proj = PackedSwiGLU(gate_up)
             module.act = nn.Identity()
             fused += 1
@@ -124,17 +140,19 @@ def _fuse_swiglu(model: nn.Module) -> int:
 
 
 def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every fp32 ``nn.Linear`` in ``model`` by a :class:`PackedLinear` (and merged SwiGLU
-    projections by a :class:`PackedSwiGLU`); return how many layers were replaced.
+    """Replace every ``nn.Linear`` in ``model`` whose weight dtype is in :func:`packable_dtypes` by a
+    :class:`PackedLinear` (and merged SwiGLU projections by a :class:`PackedSwiGLU`); return how
+    many layers were replaced.
 
     Linear layers whose weight is shared with another module (a tied ``lm_head``) keep the shared
     dense weight; the others drop it, so packing does not double the model's memory.
     """
     shared = _shared_parameter_ids(model)
-    replaced = _fuse_swiglu(model)
+    dtypes = packable_dtypes()
+    replaced = _fuse_swiglu(model, dtypes)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            if type(child) is nn.Linear and child.weight.dtype in dtypes and child.weight.device.type == "cpu":
                 setattr(parent, name, PackedLinear(child, keep_dense_weight=id(child.weight) in shared))
                 replaced += 1
     logger.info("packed %d linear layers for oneDNN", replaced)

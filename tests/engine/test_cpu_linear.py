@@ -13,6 +13,7 @@ from framework.models.cpu_linear import (
     linear_add,
     onednn_linear_available,
     pack_linear_layers,
+    packable_dtypes,
 )
 from framework.models.layers import SiluAndMul
 
@@ -66,9 +67,27 @@ def test_packed_linear_takes_any_leading_shape() -> None:
         assert torch.allclose(PackedLinear(lin)(x), F.linear(x, lin.weight, lin.bias), atol=1e-6)
 
 
-def test_half_precision_layers_are_left_alone() -> None:
-    model = _Model(False).to(torch.bfloat16)
-    assert pack_linear_layers(model) == 0
+def test_half_precision_layers_pack_only_where_onednn_has_bf16_kernels() -> None:
+    """fp16 stays on F.linear; bf16 is packed only where oneDNN has native bf16 dot products (it would
+    emulate them otherwise), and then computes what F.linear does, to bf16 rounding (the SwiGLU's
+    SiLU is applied before the gate's rounding to bf16, not after)."""
+    assert pack_linear_layers(_Model(False).to(torch.float16)) == 0
+    torch.manual_seed(5)
+    model = _Model(True).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (64,))
+    with torch.no_grad():
+        expected = model(ids)
+        packed = pack_linear_layers(model)
+        got = model(ids)
+    if torch.bfloat16 not in packable_dtypes():
+        assert packed == 0
+        return
+    assert packed == 3 and isinstance(model.mlp.down_proj, PackedLinear)
+    torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0.02)
+    lin = nn.Linear(64, 48).to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(PackedLinear(lin)(x).float(), lin(x).float(), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("bias", [False, True])
