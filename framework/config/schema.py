@@ -50,7 +50,8 @@ class ModelConfig:
     architecture: Optional[str] = None
     """Override the ``architectures[0]`` of config.json (a registered model name)."""
     dtype: DType = DType.auto
-    """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmul is slow on AVX2 CPUs)."""
+    """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmul is slow on CPUs without native bf16
+    dot products; on those with them, e.g. AVX512-BF16, bfloat16 runs ~1.6x faster here)."""
     context_length: Optional[int] = None
     """Longest request (prompt + output); default: the model's max_position_embeddings."""
     served_model_name: Optional[str] = None
@@ -131,7 +132,7 @@ class SchedulerConfig:
     """The derived running cap is KV capacity / this (clamped to the limit above)."""
     max_prefill_tokens: Optional[int] = None
     """Token budget of one prefill batch. null (auto): 16384 on GPU (SGLang's default), 1024 on CPU,
-    where fp32 GEMMs slow down once the activations outgrow the caches (measured on 2 AVX2 cores:
+    where fp32 GEMMs slow down once the activations outgrow the caches (measured on 2 Zen 4 cores:
     ~205 GFLOP/s at 1024 rows, ~160 at 8192; a 64 x 128-token prefill took 7.8 s instead of 10.8)."""
     chunked_prefill_size: Optional[int] = 2048
     """Longest prefill chunk of one request; null disables chunking."""
