@@ -37,7 +37,7 @@ from plugins.attention.cpu_paged.kernel import (
     paged_decode_attention,
     paged_extend_attention,
 )
-from plugins.attention.torch_native.backend import TorchNativeAttnBackend, TorchNativeOptions
+from plugins.attention.torch_native.backend import TorchNativeAttnBackend, TorchNativeOptions, extend_lengths
 
 if TYPE_CHECKING:
     from framework.engine.forward_batch import ForwardBatch
@@ -91,7 +91,7 @@ class _ExtendMeta:
 
 
 class CpuPagedAttnBackend(TorchNativeAttnBackend):
-    """``torch_native`` with a C decode kernel over the paged KV cache (CPU, float32)."""
+    """``torch_native`` with C decode and extend kernels over the paged KV cache (CPU; fp32 math)."""
 
     #: CPU only: there is nothing to capture (overrides what it inherits from torch_native).
     supports_cuda_graph = False
@@ -119,19 +119,10 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """The request rows and lengths as contiguous int64 tensors (what the kernels read)."""
         if not forward_batch.mode.is_decode():
-            fb = forward_batch
-            seq_lens = [int(n) for n in fb.seq_lens_cpu]
-            if fb.extend_seq_lens_cpu is not None:
-                q_lens = [int(n) for n in fb.extend_seq_lens_cpu]
-                prefix = [s - n for s, n in zip(seq_lens, q_lens, strict=True)]
-            elif fb.extend_prefix_lens_cpu is not None:
-                prefix = [int(p) for p in fb.extend_prefix_lens_cpu]
-                q_lens = [s - p for s, p in zip(seq_lens, prefix, strict=True)]
-            else:
-                raise ValueError("an EXTEND batch needs extend_seq_lens_cpu or extend_prefix_lens_cpu")
-            fb.attn_metadata = _ExtendMeta(fb.req_pool_indices.to(torch.int64).contiguous(),
-                                           torch.tensor(prefix, dtype=torch.int64),
-                                           torch.tensor(q_lens, dtype=torch.int64), None)
+            prefix, q_lens = extend_lengths(forward_batch)
+            forward_batch.attn_metadata = _ExtendMeta(forward_batch.req_pool_indices.to(torch.int64).contiguous(),
+                                                      torch.tensor(prefix, dtype=torch.int64),
+                                                      torch.tensor(q_lens, dtype=torch.int64), None)
             return
         rows = forward_batch.req_pool_indices.to(torch.int64).contiguous()
         lens = forward_batch.seq_lens.to(torch.int64).contiguous()

@@ -64,6 +64,22 @@ class _DecodeGroup:
     """Built for a CUDA graph: gathers into the static graph buffers (never reallocated)."""
 
 
+def extend_lengths(fb: ForwardBatch) -> tuple[list[int], list[int]]:
+    """``(prefix_lens, q_lens)`` of an EXTEND batch: tokens each request already has in the cache
+    (cached prefix, earlier chunks) and new tokens in this batch, from whichever of
+    ``extend_seq_lens_cpu`` / ``extend_prefix_lens_cpu`` the batch carries (and ``seq_lens_cpu``)."""
+    seq_lens = [int(n) for n in fb.seq_lens_cpu]
+    if fb.extend_seq_lens_cpu is not None:
+        q_lens = [int(n) for n in fb.extend_seq_lens_cpu]
+        if fb.extend_prefix_lens_cpu is not None:
+            return [int(p) for p in fb.extend_prefix_lens_cpu], q_lens
+        return [s - n for s, n in zip(seq_lens, q_lens, strict=True)], q_lens
+    if fb.extend_prefix_lens_cpu is not None:
+        prefix_lens = [int(p) for p in fb.extend_prefix_lens_cpu]
+        return prefix_lens, [s - p for s, p in zip(seq_lens, prefix_lens, strict=True)]
+    raise ValueError("an EXTEND batch needs extend_seq_lens_cpu or extend_prefix_lens_cpu")
+
+
 def _sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,19 +146,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             forward_batch.attn_metadata = self._extend_metadata(forward_batch)
 
     def _extend_metadata(self, fb: ForwardBatch) -> list[_ExtendRequest]:
-        seq_lens = list(fb.seq_lens_cpu)
-        if fb.extend_seq_lens_cpu is not None:
-            q_lens = list(fb.extend_seq_lens_cpu)
-            prefix_lens = (
-                list(fb.extend_prefix_lens_cpu)
-                if fb.extend_prefix_lens_cpu is not None
-                else [s - n for s, n in zip(seq_lens, q_lens, strict=True)]
-            )
-        elif fb.extend_prefix_lens_cpu is not None:
-            prefix_lens = list(fb.extend_prefix_lens_cpu)
-            q_lens = [s - p for s, p in zip(seq_lens, prefix_lens, strict=True)]
-        else:
-            raise ValueError("an EXTEND batch needs extend_seq_lens_cpu or extend_prefix_lens_cpu")
+        prefix_lens, q_lens = extend_lengths(fb)
         max_prefix = max(prefix_lens, default=0)
         rows = fb.req_to_token[fb.req_pool_indices, :max_prefix].long() if max_prefix else None
         requests, q_start = [], 0
