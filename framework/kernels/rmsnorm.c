@@ -9,30 +9,66 @@
  * square, the division by d, the inverse square root (1 / sqrt, as torch's rsqrt computes it), x * r
  * and w * (x * r) are each rounded to float (built with -ffp-contract=off); the squares are summed
  * in 16 interleaved partial sums, so the mean can differ from torch's by float rounding.
+ *
+ * bf16 rows (rmsnorm_bf16) take the same float path and round where transformers does: x * r to
+ * bf16, then w * that (a bf16 product, computed in float and rounded to bf16), round-to-nearest-even.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define LANES 16
 
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch converts float to bfloat16 (NaN kept a quiet NaN). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* 1 / sqrt(mean(x^2) + eps) of one row; X(i) reads element i as a float. */
+#define INV_RMS(X, d, eps, result)                                  \
+    do {                                                            \
+        float part[LANES] = {0}, sum = 0.0f;                        \
+        int64_t i = 0;                                              \
+        for (; i + LANES <= (d); i += LANES)                        \
+            for (int64_t l = 0; l < LANES; ++l) {                   \
+                const float v = X(i + l), sq = v * v;               \
+                part[l] += sq;                                      \
+            }                                                       \
+        for (; i < (d); ++i) {                                      \
+            const float v = X(i), sq = v * v;                       \
+            sum += sq;                                              \
+        }                                                           \
+        for (int64_t l = 0; l < LANES; ++l) sum += part[l];         \
+        (result) = 1.0f / sqrtf(sum / (float)(d) + (eps));          \
+    } while (0)
+
 static void norm_row(const float *x, const float *w, float *out, int64_t d, float eps) {
-    float part[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= d; i += LANES)
-        for (int64_t l = 0; l < LANES; ++l) {
-            const float sq = x[i + l] * x[i + l];
-            part[l] += sq;
-        }
-    float sum = 0.0f;
-    for (; i < d; ++i) {
-        const float sq = x[i] * x[i];
-        sum += sq;
-    }
-    for (int64_t l = 0; l < LANES; ++l) sum += part[l];
-    const float r = 1.0f / sqrtf(sum / (float)d + eps);
+    float r;
+#define X_F32(i) x[i]
+    INV_RMS(X_F32, d, eps, r);
     for (int64_t j = 0; j < d; ++j) {
         const float h = x[j] * r;
         out[j] = w[j] * h;
+    }
+}
+
+static void norm_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t d, float eps) {
+    float r;
+#define X_BF16(i) bf16_to_float(x[i])
+    INV_RMS(X_BF16, d, eps, r);
+    for (int64_t j = 0; j < d; ++j) {
+        const float h = bf16_to_float(float_to_bf16(bf16_to_float(x[j]) * r));
+        out[j] = float_to_bf16(bf16_to_float(w[j]) * h);
     }
 }
 
@@ -42,5 +78,13 @@ int rmsnorm_f32(const float *x, int64_t x_stride, const float *w, float *out, in
     /* Parallel only for prefill-sized inputs: at decode sizes the fork/join costs more than the work. */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * d >= (1 << 17) && num_threads > 1)
     for (int64_t t = 0; t < n; ++t) norm_row(x + t * x_stride, w, out + t * d, d, eps);
+    return 0;
+}
+
+/* The same over bf16 rows, weight and output (x row stride x_stride elements). Returns 0. */
+int rmsnorm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t n, int64_t d,
+                 float eps, int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * d >= (1 << 17) && num_threads > 1)
+    for (int64_t t = 0; t < n; ++t) norm_row_bf16(x + t * x_stride, w, out + t * d, d, eps);
     return 0;
 }

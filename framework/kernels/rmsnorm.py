@@ -1,7 +1,7 @@
-"""RMSNorm of fp32 rows on CPU in one C call (``rmsnorm.c``).
+"""RMSNorm of fp32 or bf16 rows on CPU in one C call (``rmsnorm.c``).
 
-:func:`rms_norm` returns ``None`` when the kernel does not apply (not fp32, not CPU, autograd on,
-rows that are not contiguous, no C compiler), and the caller then runs the torch ops.
+:func:`rms_norm` returns ``None`` when the kernel does not apply (another dtype, not CPU, autograd
+on, rows that are not contiguous, no C compiler), and the caller then runs the torch ops.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def _load() -> ctypes.CDLL | None:
         logger.info("RMSNorm kernel unavailable, using torch ops: %s", exc)
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rmsnorm_f32.argtypes = [p, i64, p, p, i64, i64, ctypes.c_float, i64]
-    lib.rmsnorm_f32.restype = ctypes.c_int
+    for fn in (lib.rmsnorm_f32, lib.rmsnorm_bf16):
+        fn.argtypes = [p, i64, p, p, i64, i64, ctypes.c_float, i64]
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -42,8 +43,11 @@ def kernel_available() -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` over the last dim as a new contiguous tensor,
-    or ``None`` when the kernel does not apply."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1:
+    or ``None`` when the kernel does not apply. fp32, or bf16 ``x`` and ``weight`` (math in fp32,
+    rounded to bf16 where transformers rounds)."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or x.device.type != "cpu":
+        return None
+    if x.dim() < 1:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None  # autograd cannot see through the kernel
@@ -56,9 +60,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     lib = _load()
     if lib is None:
         return None
-    out = torch.empty(rows.shape, dtype=torch.float32)
+    out = torch.empty(rows.shape, dtype=x.dtype)
     n = rows.shape[0]
     if n:
-        lib.rmsnorm_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), n, d, float(eps),
-                        torch.get_num_threads())
+        fn = lib.rmsnorm_f32 if x.dtype == torch.float32 else lib.rmsnorm_bf16
+        fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), n, d, float(eps),
+           torch.get_num_threads())
     return out.view(x.shape)

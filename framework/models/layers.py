@@ -22,9 +22,11 @@ from framework.kernels.rotary import rotary_qkv
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 and cast back, as transformers' ``LlamaRMSNorm``.
 
-    fp32 on CPU runs one C call per norm (:mod:`framework.kernels.rmsnorm`): the same operations
-    except for the order of the sum of squares, so it agrees with transformers to a few float
-    rounding steps, not bitwise. Elsewhere (bf16, GPU, autograd) it is transformers' ops exactly.
+    fp32 and bf16 on CPU run one C call per norm (:mod:`framework.kernels.rmsnorm`): the same
+    operations and roundings except for the order of the sum of squares, so it agrees with
+    transformers to a few float rounding steps (fp32) or one bf16 step where a mean lands on the
+    other side of a rounding boundary, not bitwise. Elsewhere (fp16, GPU, autograd) it is
+    transformers' ops exactly.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:

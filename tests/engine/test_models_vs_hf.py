@@ -264,15 +264,15 @@ def test_load_generation_config(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(9, 64), (1, 768), (300, 768), (5, 3, 128)])
-@pytest.mark.parametrize("fp32_kernel", [True, False])
-def test_rmsnorm_matches_hf(dtype: torch.dtype, shape: tuple[int, ...], fp32_kernel: bool,
+@pytest.mark.parametrize("c_kernel", [True, False])
+def test_rmsnorm_matches_hf(dtype: torch.dtype, shape: tuple[int, ...], c_kernel: bool,
                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bitwise for the torch ops (bf16 always; fp32 with the C kernel switched off), and within a
-    few float roundings for the fp32 C kernel (it sums the squares in another order), at the
-    widths and row counts of real models."""
+    """Bitwise for the torch ops (the C kernel switched off), and for the C kernel (it sums the
+    squares in another order) within a few float roundings in fp32 and one bf16 rounding step in
+    bf16, at the widths and row counts of real models."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    if not fp32_kernel:
+    if not c_kernel:
         monkeypatch.setattr(layers, "rms_norm", lambda *args: None)
 
     torch.manual_seed(0)
@@ -284,10 +284,13 @@ def test_rmsnorm_matches_hf(dtype: torch.dtype, shape: tuple[int, ...], fp32_ker
     x = (torch.randn(*shape) * 3).to(dtype)
     with torch.no_grad():
         got, expected = ours(x), theirs(x)
-    if dtype == torch.float32 and fp32_kernel:
+    if not c_kernel:
+        assert torch.equal(got, expected)
+    elif dtype == torch.float32:
         torch.testing.assert_close(got, expected, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
     else:
-        assert torch.equal(got, expected)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=0)
+        assert (got != expected).float().mean() < 0.01  # a rare element one bf16 step off
 
 
 @pytest.mark.parametrize("case", ["llama_gqa", "llama3_rope", "llama_linear_rope"])
