@@ -95,8 +95,8 @@ static inline __attribute__((always_inline)) int run_item(
     const int64_t D, const int64_t R) {
     const int64_t keys = prefix + q_len, padded = (keys + VF_LANES - 1) / VF_LANES * VF_LANES, V = D / VF_LANES;
     if (reserve(w, padded, D)) return 1;
-    /* Gather: V of a bf16 cache widened row by row (fp32 V is read in place); K a block of 16 rows at a time, then transposed, so that 16
-     * consecutive keys are one vector. */
+    /* Gather: V of a bf16 cache widened row by row (fp32 V is read in place); K a block of 16 rows
+     * at a time, then transposed, so that 16 consecutive keys are one vector. */
     float rows16[VF_LANES * 128] __attribute__((aligned(64))); /* one block's K rows, D <= 128 */
     for (int64_t b = 0; b < padded / VF_LANES; ++b) {
         for (int64_t l = 0; l < VF_LANES; ++l) {
@@ -164,7 +164,7 @@ static inline __attribute__((always_inline)) int run_item(
                 inv[r] = 1.0f / sum;
             }
             /* output: each value row is loaded once for the R rows */
-            vf o[4][8]; /* only [R][D / 16] is used: zero just that (all of it measured ~10%) */
+            vf o[4][8]; /* only [R][D / 16] is used: zero just that (zeroing all 32 was ~10% of the time) */
             for (int64_t r = 0; r < R; ++r)
                 for (int64_t c = 0; c < V; ++c) o[r][c] = (vf){0};
             for (int64_t t = 0; t <= last; ++t) {
@@ -202,9 +202,10 @@ static inline __attribute__((always_inline)) int run_item(
 
 /* One wrapper per head size and K/V type: 4 query rows of 64 (16 accumulators), 2 of 128; other
  * multiples of 16 run one row at a time with the head size a run-time value. */
-static int item_d64(ITEM_ARGS) { return bf16 ? run_item(ITEM_CALL_BF16(1), 64, 4) : run_item(ITEM_CALL_BF16(0), 64, 4); }
-static int item_d128(ITEM_ARGS) { return bf16 ? run_item(ITEM_CALL_BF16(1), 128, 2) : run_item(ITEM_CALL_BF16(0), 128, 2); }
-static int item_d32(ITEM_ARGS) { return bf16 ? run_item(ITEM_CALL_BF16(1), 32, 4) : run_item(ITEM_CALL_BF16(0), 32, 4); }
+#define BOTH_TYPES(d, r) (bf16 ? run_item(ITEM_CALL_BF16(1), d, r) : run_item(ITEM_CALL_BF16(0), d, r))
+static int item_d64(ITEM_ARGS) { return BOTH_TYPES(64, 4); }
+static int item_d128(ITEM_ARGS) { return BOTH_TYPES(128, 2); }
+static int item_d32(ITEM_ARGS) { return BOTH_TYPES(32, 4); }
 static int item_d16x(ITEM_ARGS, int64_t d) { return run_item(ITEM_CALL, d, 1); }
 
 /* Returns 0 on success; 1 when memory ran out; 2 for head counts or a head_dim it does not take
@@ -236,12 +237,14 @@ int paged_extend_attention(const float *q, const void *k, const void *v, float *
             const int bf16 = kv_bf16 != 0;
             const int64_t prefix = prefix_lens[b], q_len = q_lens[b], qs = q_start[b];
             int rc;
+#define ARGS q, k, v, out, slots, prefix, q_len, qs, kvh, num_heads, kv_heads, scale, bf16, &w
             switch (head_dim) {
-                case 64: rc = item_d64(q, k, v, out, slots, prefix, q_len, qs, kvh, num_heads, kv_heads, scale, bf16, &w); break;
-                case 128: rc = item_d128(q, k, v, out, slots, prefix, q_len, qs, kvh, num_heads, kv_heads, scale, bf16, &w); break;
-                case 32: rc = item_d32(q, k, v, out, slots, prefix, q_len, qs, kvh, num_heads, kv_heads, scale, bf16, &w); break;
-                default: rc = item_d16x(q, k, v, out, slots, prefix, q_len, qs, kvh, num_heads, kv_heads, scale, bf16, &w, head_dim);
+                case 64: rc = item_d64(ARGS); break;
+                case 128: rc = item_d128(ARGS); break;
+                case 32: rc = item_d32(ARGS); break;
+                default: rc = item_d16x(ARGS, head_dim);
             }
+#undef ARGS
             status |= rc;
         }
         free(w.kt);
