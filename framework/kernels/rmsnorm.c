@@ -17,22 +17,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_float.h"
+
 #define LANES 16
-
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch converts float to bfloat16 (NaN kept a quiet NaN). */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 /* 1 / sqrt(mean(x^2) + eps) of one row; X(i) reads element i as a float. */
 #define INV_RMS(X, d, eps, result)                                  \

@@ -7,15 +7,12 @@ on, rows that are not contiguous, no C compiler), and the caller then runs the t
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from framework.kernels.build import KernelUnavailable, build_and_load
-
-logger = logging.getLogger(__name__)
+from framework.kernels.build import load_optional
 
 SOURCE = Path(__file__).with_name("rmsnorm.c")
 # -ffp-contract=off: every square, product and sum rounds on its own, as in the torch ops.
@@ -24,10 +21,8 @@ CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off"]
 
 @lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | None:
-    try:
-        lib = build_and_load(SOURCE, "rmsnorm", CFLAGS)
-    except (KernelUnavailable, OSError) as exc:  # no compiler, or no writable cache directory
-        logger.info("RMSNorm kernel unavailable, using torch ops: %s", exc)
+    lib = load_optional(SOURCE, "rmsnorm", CFLAGS, "RMSNorm kernel")
+    if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn in (lib.rmsnorm_f32, lib.rmsnorm_bf16):

@@ -8,15 +8,12 @@ C compiler), and the caller then runs the torch ops.
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from framework.kernels.build import KernelUnavailable, build_and_load
-
-logger = logging.getLogger(__name__)
+from framework.kernels.build import load_optional
 
 SOURCE = Path(__file__).with_name("rotary.c")
 # -ffp-contract=off: no fused multiply-add; every product and sum must round on its own, as in torch (bitwise equality).
@@ -25,10 +22,8 @@ CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off"]
 
 @lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | None:
-    try:
-        lib = build_and_load(SOURCE, "rotary", CFLAGS)
-    except (KernelUnavailable, OSError) as exc:  # no compiler, or no writable cache directory
-        logger.info("fused rotary kernel unavailable, using torch ops: %s", exc)
+    lib = load_optional(SOURCE, "rotary", CFLAGS, "fused rotary kernel")
+    if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rotary_qkv_f32.argtypes = [p, i64, p, i64, p, i64, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64]

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_float.h"
+
 typedef struct {
     const float *q;
     const void *k, *v; /* float32 or bfloat16 elements: the run function knows which */
@@ -34,14 +36,6 @@ typedef struct {
     int64_t heads_per_item, item_begin, item_end;
     int status;
 } job_t;
-
-/* bfloat16 is the top half of a float32: widening is a shift, and exact. */
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* Element i of a K/V row of either type. `bf16` is a compile-time constant wherever this is used
  * (run_items is force-inlined into one wrapper per type), so each loop below is compiled twice,
@@ -63,21 +57,6 @@ static inline float dot(const float *a, const void *b, int64_t n, int bf16) {
 
 static inline void axpy(float *y, float a, const void *x, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; ++i) y[i] += a * kv_at(x, i, bf16);
-}
-
-/* exp(x) for x <= 0 (scores minus their max), as 2^k * 2^f with a degree-6 polynomial for 2^f on
- * [-0.5, 0.5] (relative error ~1e-7). Unlike libm's expf it is plain arithmetic, so the softmax loop
- * vectorises; a call per score was a visible share of the kernel. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* below this e^x is under FLT_MIN: keep 2^k a normal float */
-    const float y = x * 1.44269504088896341f;
-    const float kf = __builtin_floorf(y + 0.5f), f = (y - kf) * 0.69314718055994531f;
-    const float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f + f * (8.3333338e-3f
-                    + f * 1.3888889e-3f)))));
-    const int32_t bits = ((int32_t)kf + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 /* Ask for the next token's row ahead of use: rows sit wherever the page table puts them, so the

@@ -22,30 +22,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_float.h"
+
 typedef float vf __attribute__((vector_size(64), aligned(64)));
 typedef int32_t vi __attribute__((vector_size(64), aligned(64)));
 #define VF_LANES 16
-
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* exp(x) for x <= 0, as in decode_kernel.c: 2^k * 2^f with a degree-6 polynomial (relative error
- * ~1e-7), plain arithmetic so that the softmax loop vectorises. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float y = x * 1.44269504088896341f;
-    const float kf = __builtin_floorf(y + 0.5f), f = (y - kf) * 0.69314718055994531f;
-    const float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f + f * (8.3333338e-3f
-                    + f * 1.3888889e-3f)))));
-    const int32_t bits = ((int32_t)kf + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* max of s[0 .. n-1], n >= 1, s 64-byte aligned: 16 lanes at a time (gcc leaves the scalar
  * ternary loop unvectorised without -ffinite-math-only, and it was ~7% of the kernel). */

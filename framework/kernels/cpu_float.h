@@ -1,0 +1,43 @@
+/*
+ * Float helpers the CPU kernels share (included by framework/kernels/*.c and the attention
+ * plugins' kernels; build.py puts this directory on the include path and hashes this header into
+ * every build's cache key, so a change here rebuilds them all).
+ */
+#ifndef PLUGSERVE_CPU_FLOAT_H
+#define PLUGSERVE_CPU_FLOAT_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* bfloat16 is the top half of a float32: widening is a shift, and exact. */
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch converts float to bfloat16 (NaN kept a quiet NaN). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus their max), as 2^k * 2^f with a degree-6 polynomial for 2^f on
+ * [-0.5, 0.5] (relative error ~1e-7). Unlike libm's expf it is plain arithmetic, so softmax loops
+ * vectorise; a call per score was a visible share of the decode kernel. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x; /* below this e^x is under FLT_MIN: keep 2^k a normal float */
+    const float y = x * 1.44269504088896341f;
+    const float kf = __builtin_floorf(y + 0.5f), f = (y - kf) * 0.69314718055994531f;
+    const float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f + f * (8.3333338e-3f
+                    + f * 1.3888889e-3f)))));
+    const int32_t bits = ((int32_t)kf + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#endif
