@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,14 @@ from framework.config.schema import Device, PlugserveConfig
 from framework.errors import ConfigError, did_you_mean
 
 DEFAULT_PRESET = "serve.yaml"
+MAX_JSON_DEPTH = 500
+"""``server.max_json_depth`` stays well under Python's recursion limit (1000), which the JSON
+parser, pydantic and the chat template all count against."""
+MAX_N = 1024
+"""``server.max_n``: seeds of a request's choices are seed, seed + 1, ...; a bounded n keeps
+seed + n - 1 within 64 bits for every valid seed."""
+SECRET_ENV = {"api_key": "PLUGSERVE_API_KEY", "admin_key": "PLUGSERVE_ADMIN_KEY"}
+"""Where ``server.api_key`` / ``server.admin_key`` come from when the config leaves them null."""
 
 #: (key of the component name, key of its options, registry kind)
 COMPONENT_SLOTS: tuple[tuple[str, str, str], ...] = (
@@ -116,6 +125,7 @@ def resolve_config(
     except OmegaConfBaseException as exc:
         raise _explain(exc) from None
     _check_values(cfg)
+    _keys_from_environment(cfg)
     resolve_auto(cfg)
     if validate_components:
         validate_component_slots(cfg)
@@ -133,6 +143,15 @@ def _check_values(cfg: DictConfig) -> None:
         ("scheduler.stream_interval", cfg.scheduler.stream_interval >= 1, ">= 1"),
         ("server.port", 0 <= cfg.server.port < 65536, "in [0, 65535]"),
         ("server.max_body_bytes", cfg.server.max_body_bytes >= 1024, ">= 1024"),
+        ("server.max_json_depth", 2 <= cfg.server.max_json_depth <= MAX_JSON_DEPTH, f"in [2, {MAX_JSON_DEPTH}]"),
+        ("server.max_n", 1 <= cfg.server.max_n <= MAX_N, f"in [1, {MAX_N}]"),
+        ("server.max_sequences_per_request", cfg.server.max_sequences_per_request >= 1, ">= 1"),
+        ("server.max_top_logprobs", cfg.server.max_top_logprobs >= 0, ">= 0"),
+        ("server.max_connections", cfg.server.max_connections >= 1, ">= 1"),
+        ("server.keep_alive_timeout_s", cfg.server.keep_alive_timeout_s > 0, "> 0"),
+        ("server.header_read_timeout_s", cfg.server.header_read_timeout_s > 0, "> 0"),
+        ("server.body_read_timeout_s", cfg.server.body_read_timeout_s > 0, "> 0"),
+        ("server.shutdown_timeout_s", cfg.server.shutdown_timeout_s >= 0, ">= 0"),
         ("cuda_graph.max_batch_size", cfg.cuda_graph.max_batch_size >= 1, ">= 1"),
         ("cuda_graph.num_warmup_runs", cfg.cuda_graph.num_warmup_runs >= 1, ">= 1"),
         (
@@ -157,6 +176,14 @@ def _check_values(cfg: DictConfig) -> None:
     for key, ok, allowed in checks:
         if not ok:
             raise ConfigError(f"{key}: invalid value {OmegaConf.select(cfg, key)!r}, must be {allowed}")
+
+
+def _keys_from_environment(cfg: DictConfig) -> None:
+    """``server.api_key`` / ``admin_key`` left null take ``$PLUGSERVE_API_KEY`` /
+    ``$PLUGSERVE_ADMIN_KEY`` (an empty variable counts as unset, as an unset key would)."""
+    for key, env in SECRET_ENV.items():
+        if cfg.server[key] is None and os.environ.get(env):
+            cfg.server[key] = os.environ[env]
 
 
 #: ``scheduler.max_prefill_tokens: null`` per device (see the schema's docstring for why CPU differs).
@@ -278,4 +305,17 @@ def to_settings(cfg: DictConfig | PlugserveConfig) -> PlugserveConfig:
 
 
 def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+    """The resolved config as YAML, keys shown as ``<redacted>`` (see :func:`public_config`)."""
+    return OmegaConf.to_yaml(OmegaConf.create(public_config(cfg)))
+
+
+def public_config(cfg: DictConfig, replacement: str | None = "<redacted>") -> dict[str, Any]:
+    """The resolved config as plain data with every key set in ``server`` (api_key, admin_key)
+    replaced: what ``config show`` and ``/server_info`` print and the scheduler process gets
+    (it never needs the keys: ``replacement=None``)."""
+    data: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[assignment]
+    server = data.get("server", {})
+    for key in SECRET_ENV:
+        if server.get(key) is not None:
+            server[key] = replacement
+    return data

@@ -124,6 +124,10 @@ class SchedulerConfig:
     policy: str = "fcfs"
     """Waiting-queue order: a registered schedule policy (fcfs, lpm, ...)."""
     policy_options: Any = field(default_factory=dict)
+    fair_admission: bool = True
+    """Admit waiting requests round-robin across the HTTP requests (batches, ``n`` choices) they
+    came in, keeping the policy's order within each: one client's batch of hundreds of prompts
+    cannot hold back everyone who arrived after it. false: the policy's order alone."""
     max_running_requests: Optional[int] = None
     """Cap on requests decoding together; default derived from KV capacity (see below)."""
     max_running_requests_limit: int = 256
@@ -185,13 +189,30 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: Optional[str] = None
-    """Bearer token required on inference routes when set."""
+    """Bearer token required on inference routes when set; null: ``$PLUGSERVE_API_KEY`` if set
+    (a key in the environment or a config file does not show in ``ps`` as a CLI argument does)."""
     admin_key: Optional[str] = None
-    """Bearer token required on admin routes (flush_cache, abort_request) when set."""
+    """Bearer token required on admin routes (flush_cache, abort_request) when set; null:
+    ``$PLUGSERVE_ADMIN_KEY`` if set."""
     max_body_bytes: int = 4 * 1024 * 1024
-    """Largest accepted request body (413 beyond)."""
+    """Largest accepted request body on every route (413 beyond)."""
+    max_json_depth: int = 64
+    """Deepest nesting of arrays and objects in a JSON body (400 beyond): bounds the recursion of
+    every parser and template that walks the body afterwards."""
     max_n: int = 16
     """Largest ``n`` (choices per request)."""
+    max_sequences_per_request: int = 256
+    """Largest number of prompts x ``n`` in one HTTP request (400 beyond): each is one scheduler
+    request, so one body cannot queue thousands of them."""
+    max_connections: int = 1024
+    """Open HTTP connections served at once; a connection beyond it gets a 503 and is closed."""
+    keep_alive_timeout_s: float = 5.0
+    """An idle keep-alive connection is closed after this long without a new request."""
+    header_read_timeout_s: float = 20.0
+    """A connection must send a request's complete headers within this long of opening (or of
+    the previous response): an idle or slow-header connection is closed (408 if it sent part)."""
+    body_read_timeout_s: float = 60.0
+    """A request's whole body must arrive within this long of its headers (408 beyond)."""
     max_top_logprobs: int = 20
     """Largest ``top_logprobs`` / ``top_logprobs_num``."""
     log_level: str = "info"
@@ -201,8 +222,9 @@ class ServerConfig:
     health_check_timeout_s: float = 20.0
     """/health_generate gives up after this long."""
     shutdown_timeout_s: float = 10.0
-    """On SIGTERM / Ctrl-C: how long open requests may finish, then how long the scheduler process
-    has to exit before it is terminated."""
+    """On SIGTERM / Ctrl-C: how long open requests may finish (then each still open gets a 503, or
+    in a stream a final chunk with finish reason abort, an error event and ``[DONE]``), then how
+    long the scheduler process has to exit before it is terminated."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ from framework.config.schema import PlugserveConfig
 from framework.engine.model_runner import ModelRunner
 from framework.engine.request_state import RequestState, make_sampling_params
 from framework.models.loader import load_generation_config
-from framework.sampling.params import SamplingParams
+from framework.sampling.params import SamplingParams, choice_seed
 from framework.scheduler.request import Req
 from framework.scheduler.scheduler import Scheduler
 
@@ -123,7 +123,7 @@ class Engine:
             for i in range(params.n):
                 sub = SamplingParams.from_dict({**params.to_dict(), "n": 1})
                 if params.seed is not None:
-                    sub.seed = params.seed + i
+                    sub.seed = choice_seed(params.seed, i)
                 rids.append(self.submit(p, sub, **kwargs))
         self.run_until_done(rids)
         results = [self._states.pop(r).result() for r in rids]

@@ -93,6 +93,15 @@ class RequestState:
             self.error = out.error
         return delta
 
+    def abort(self, message: str) -> None:
+        """Finish now with reason abort and ``message`` as the error (the server ends a request
+        this way when its scheduler will not: shutdown past the grace period)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.finish_reason = {"type": "abort", "message": message}
+        self.error = message
+
     def meta_info(self) -> dict[str, Any]:
         """SGLang's meta_info for this request so far."""
         meta: dict[str, Any] = {

@@ -20,6 +20,18 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 overflows float32 to inf and softmax then yields NaN; vLLM uses the same cut-off."""
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+"""Integer parameters must fit a signed 64-bit integer (vLLM's range for ``seed``): that is what
+msgpack, torch and the seed mixer can hold."""
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a seeded request with ``n`` choices: ``seed + index``,
+    wrapped around within int64, so choice ``i`` is reproducible on its own with that seed and
+    a seed near the top of the range still gives ``n`` distinct valid seeds."""
+    return (seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
+
+
 def _is_int(value: object) -> bool:
     # bool is an int subclass, but ``"n": true`` from a client is a mistake, not 1.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -84,6 +96,9 @@ class SamplingParams:
         ``vocab_size`` enables the range check of ``stop_token_ids``.
         """
         self._check_types()
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "seed"):
+            value = getattr(self, name)
+            _require(value is None or INT64_MIN <= value <= INT64_MAX, name, value, "within int64 [-2**63, 2**63 - 1]")
         _require(self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens, ">= 0")
         _require(self.min_new_tokens >= 0, "min_new_tokens", self.min_new_tokens, ">= 0")
         _require(
@@ -121,6 +136,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
+            if _is_int(value) and not -1e300 < value < 1e300:  # math.isfinite of a huge int overflows
+                raise ValueError(f"{name} must be a finite number, got an integer of {len(str(abs(value)))} digits")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):

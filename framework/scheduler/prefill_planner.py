@@ -34,6 +34,22 @@ def reserved_decode_tokens(reqs: list[Req], ratio: float, clip: int) -> int:
     return int(total)
 
 
+def round_robin_by_group(ordered: list[Req]) -> list[Req]:
+    """The k-th waiting request of every group before the (k+1)-th of any, keeping the policy's
+    order otherwise (a stable re-order by rank within the group). A group is the HTTP request the
+    scheduler requests came in (a batch, ``n`` choices); a request with no group is its own."""
+    counts: dict[object, int] = {}
+    ranks: list[int] = []
+    for r in ordered:
+        key = r.group if r.group is not None else id(r)
+        ranks.append(counts.get(key, 0))
+        counts[key] = ranks[-1] + 1
+    if len(counts) == len(ordered):
+        return ordered  # no group has two waiting requests: nothing to interleave
+    order = sorted(range(len(ordered)), key=lambda i: (ranks[i], i))
+    return [ordered[i] for i in order]
+
+
 class PrefillPlanner:
     """Builds one prefill batch per call from the waiting queue and the chunked request."""
 
@@ -76,6 +92,8 @@ class PrefillPlanner:
         if slots_left <= 0 or not waiting or rem_input <= 0:
             return plan
         ordered = self.policy.order(waiting, lambda r: self.kv.match(r).prefix_len)
+        if cfg.fair_admission:
+            ordered = round_robin_by_group(ordered)
         head_len = cfg.in_batch_prefix_check_tokens
         batch_heads: set[tuple[int, ...]] = set()
         for req in ordered:

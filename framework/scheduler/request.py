@@ -41,6 +41,9 @@ class Req:
     logprob_start_len: int = -1
     """Prompt logprobs are returned from this prompt position on (-1: none)."""
     arrival_time: float = field(default_factory=time.monotonic)
+    group: str | None = None
+    """The HTTP request (batch or ``n`` choices) this one came in with; fair admission takes
+    waiting requests round-robin across groups. None: a group of its own."""
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None

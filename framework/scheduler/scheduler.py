@@ -113,6 +113,14 @@ class Scheduler(OverlapDecodeMixin):
         if req.wants_prompt_logprobs() and req.logprob_start_len == 0:
             req.input_logprobs.append(None)  # the first prompt token has no logprob
             req.input_top_logprobs.append(None)
+        if sp.max_new_tokens == 0 and self.pd is not None:
+            raise AdmissionError("max_new_tokens must be >= 1 with prefill/decode disaggregation")
+        if sp.max_new_tokens == 0 and not req.wants_prompt_logprobs():
+            # Nothing to compute: it finishes at once, without a forward or any KV.
+            self.requests[req.rid] = req
+            req.finished_reason = FinishReason("length")
+            self._finish(req)
+            return
         # PD: checks the bootstrap fields (may raise); the decode side queues the request itself
         queued_by_pd = self.pd is not None and self.pd.admit(req)
         self.requests[req.rid] = req
@@ -191,13 +199,29 @@ class Scheduler(OverlapDecodeMixin):
                 r.extend_len = 0
             self.kv.cache_prefix(r)  # later arrivals can share this prompt while it still runs
         self._record_prompt_logprobs(reqs, logits, plan)
-        if plan.sample_reqs and self.pd is not None and hasattr(self.pd, "on_prefilled"):
-            self.pd.on_prefilled(plan.sample_reqs, logits[plan.sample_rows])  # PD: KV goes to decode
-        elif plan.sample_reqs:
-            self._sample(plan.sample_reqs, logits[plan.sample_rows])
-            self.running.extend(r for r in plan.sample_reqs if not r.finished)
+        sample_reqs, sample_rows = self._finish_scoring_only(plan)
+        if sample_reqs and self.pd is not None and hasattr(self.pd, "on_prefilled"):
+            self.pd.on_prefilled(sample_reqs, logits[sample_rows])  # PD: KV goes to decode
+        elif sample_reqs:
+            self._sample(sample_reqs, logits[sample_rows])
+            self.running.extend(r for r in sample_reqs if not r.finished)
         self.hook.on_batch_finished(batch=stats, elapsed_s=time.perf_counter() - start)
         return True
+
+    def _finish_scoring_only(self, plan: LogitsPlan) -> tuple[list[Req], list[int]]:
+        """Requests with ``max_new_tokens == 0`` (prompt logprobs only, SGLang's scoring use)
+        finish after their prefill without a token; the others, and their logits rows, sample."""
+        if all(r.sampling_params.max_new_tokens > 0 for r in plan.sample_reqs):
+            return plan.sample_reqs, plan.sample_rows
+        reqs, rows = [], []
+        for r, row in zip(plan.sample_reqs, plan.sample_rows, strict=True):
+            if r.sampling_params.max_new_tokens > 0:
+                reqs.append(r)
+                rows.append(row)
+            else:
+                r.finished_reason = FinishReason("length")
+                self._finish(r)
+        return reqs, rows
 
     def _run_decode(self) -> None:
         self._make_room_for_decode()

@@ -22,8 +22,10 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
@@ -62,8 +64,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
-    """The first problem pydantic found, named by its dotted path as OpenAI's ``param``."""
-    err = exc.errors(include_url=False)[0]
+    """The problem pydantic found, named by its dotted path as OpenAI's ``param``. For a union
+    field (``prompt``: a string or token ids) it lists what each member objected to; the member
+    that got deepest into the value is the one the client meant."""
+    errors = exc.errors(include_url=False)
+    # Deepest first; at equal depth a broken constraint (the value has the right type) says more
+    # than "not a string" from a member of another type ("*_type" errors).
+    err = max(errors, key=lambda e: (len([p for p in e["loc"] if not _is_union_tag(p)]),
+                                     not e["type"].endswith("_type")))
     param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
     if err["type"] == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
@@ -79,7 +87,8 @@ def _is_union_tag(part: object) -> bool:
     field names in plugserve's models are lower_snake_case, so these are easy to tell apart."""
     if not isinstance(part, str):
         return False
-    return "[" in part or part in _TYPE_TAGS or part[:1].isupper() or part.startswith("function-")
+    return ("[" in part or part in _TYPE_TAGS or part[:1].isupper() or part.startswith("function-")
+            or part.startswith("constrained-"))
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}

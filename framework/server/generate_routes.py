@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from framework.engine.request_state import RequestState
-from framework.server.group_response import request_errors, stream_events, wait_all
+from framework.server.group_response import released_on_error, request_errors, stream_events, wait_all
 from framework.server.http_utils import finite, parse_model, require_bearer, sse
 from framework.server.openai_format import TokenText
 from framework.server.protocol import GenerateRequest
@@ -23,6 +23,8 @@ from framework.server.request_builder import attach_bootstrap, new_rid, require,
 from framework.server.state import ServerState
 from framework.server.tokenizer_manager import Event, SubRequest
 
+DEFAULT_MAX_NEW_TOKENS = 128
+"""SGLang's default ``max_new_tokens`` (capped by what the context leaves after the prompt)."""
 _LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
 
 
@@ -39,6 +41,7 @@ async def _prompts(server: ServerState, body: GenerateRequest) -> tuple[list[lis
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
         require(len(texts) > 0, "text must not be an empty list", "text")
+        server.builder.check_sequence_count(len(texts), len(texts))  # before tokenizing any
         return [await server.builder.tokenize(t) for t in texts], isinstance(body.text, str)
     ids = body.input_ids or []
     single = not ids or isinstance(ids[0], int)
@@ -51,7 +54,7 @@ async def generate(request: Request) -> Response:
     """``POST /generate``."""
     server: ServerState = request.app.state.server
     require_bearer(request, server.api_key)
-    body = await parse_model(request, GenerateRequest, server.max_body)
+    body = await parse_model(request, GenerateRequest, server.body_limits)
     prompts, single = await _prompts(server, body)
     count = len(prompts)
     sampling = _per_prompt(body.sampling_params or {}, count, "sampling_params")
@@ -61,16 +64,18 @@ async def generate(request: Request) -> Response:
     user_rids = _per_prompt(body.rid, count, "rid") if isinstance(body.rid, list) else None
     group_rid = body.rid if isinstance(body.rid, str) else new_rid()
 
+    where = "input_ids" if body.input_ids is not None else "text"
     plans = []
     for i, ids in enumerate(prompts):
-        server.builder.check_ids(ids, "input_ids" if body.input_ids is not None else "text")
-        params = server.builder.sampling_params(sampling[i])
-        server.builder.check_length(ids, params, "input_ids" if body.input_ids is not None else "text",
-                                    "max_new_tokens")
+        server.builder.check_ids(ids, where)
+        default = max(1, min(DEFAULT_MAX_NEW_TOKENS, server.builder.context_len - len(ids)))
+        plans.append((ids, server.builder.sampling_params(sampling[i], default)))
+    total = sum(p.n for _, p in plans)
+    server.builder.check_sequence_count(len(plans), total)
+    for i, (ids, params) in enumerate(plans):
+        server.builder.check_length(ids, params, where, "max_new_tokens")
         server.builder.check_top_logprobs(top_nums[i], "top_logprobs_num")
         require(starts[i] >= -1, "logprob_start_len must be >= -1", "logprob_start_len")
-        plans.append((ids, params))
-    total = sum(p.n for _, p in plans)
     rids = sub_rids(group_rid, total)
     subs: list[SubRequest] = []
     for i, (ids, params) in enumerate(plans):
@@ -80,9 +85,9 @@ async def generate(request: Request) -> Response:
         subs += server.builder.expand(mine, ids, params, return_logprob=bool(want_lp[i]),
                                       top_logprobs_num=top_nums[i], logprob_start_len=starts[i])
     attach_bootstrap(subs, body)
-    group = await server.manager.submit(group_rid, subs)
     text_of = server.token_text if body.return_text_in_logprobs else None
     batch = not (single and len(subs) == 1)
+    group = await server.manager.submit(group_rid, subs)
 
     if body.stream:
         # Events may queue up while the client reads; each renders the state as it is now, so
@@ -100,7 +105,8 @@ async def generate(request: Request) -> Response:
                 out["index"] = ev.index
             return [sse(out)]
 
-        return await stream_events(request, server.manager, group, render, lambda: [])
+        return await released_on_error(server.manager, group,
+                                       stream_events(request, server.manager, group, render, lambda: []))
 
     await wait_all(request, server.manager, group)
     request_errors(group)

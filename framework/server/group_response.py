@@ -8,7 +8,8 @@ inside.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -16,6 +17,7 @@ from framework.server.errors import APIError
 from framework.server.http_utils import SSE_DONE, SSEResponse, sse, until_disconnect
 from framework.server.tokenizer_manager import Event, RequestGroup, TokenizerManager
 
+R = TypeVar("R")
 Render = Callable[[Event], list[str]]
 """Turns one event into zero or more SSE strings."""
 Tail = Callable[[], list[str]]
@@ -28,6 +30,16 @@ async def wait_all(request: Request, manager: TokenizerManager, group: RequestGr
         await until_disconnect(request, group.wait(), lambda: manager.close_group(group))
     finally:
         await manager.close_group(group)
+
+
+async def released_on_error(manager: TokenizerManager, group: RequestGroup, respond: Awaitable[R]) -> R:
+    """``await respond``; if building the response fails, the group is closed (its requests
+    aborted, their KV freed, their ids released) before the error propagates."""
+    try:
+        return await respond
+    except BaseException:
+        await manager.close_group(group)
+        raise
 
 
 def request_errors(group: RequestGroup) -> None:

@@ -7,6 +7,7 @@ import hmac
 import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -16,6 +17,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from framework.server.errors import APIError, bad_request, from_validation_error
+from framework.server.json_body import parse_json_body
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -28,8 +30,19 @@ the value vLLM uses for the same purpose."""
 # -- bodies --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class BodyLimits:
+    """Size and nesting limits of a JSON body (``server.max_body_bytes``, ``server.max_json_depth``)."""
+
+    max_bytes: int
+    max_depth: int
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over ``limit`` bytes before reading it all."""
+    """The request body, refusing (413) anything over ``limit`` bytes before reading it all.
+
+    Behind :class:`~framework.server.request_guard.RequestGuard` the body is already buffered and
+    within the server's limit; a route may still ask for a lower one."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -51,13 +64,24 @@ def _too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-async def parse_model(request: Request, model: type[M], limit: int) -> M:
+def check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON (``application/json`` or ``*/*+json``). A request
+    with no Content-Type is read as JSON, as FastAPI (vLLM's server) reads it."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media == "application/json" or media.endswith("+json"):
+        return
+    raise APIError(415, f"Content-Type must be application/json, got {declared!r}",
+                   code="unsupported_media_type")
+
+
+async def parse_model(request: Request, model: type[M], limits: BodyLimits) -> M:
     """Read, parse and validate a JSON body into ``model`` (400 with the offending field)."""
-    body = await read_body(request, limit)
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    check_json_content_type(request)
+    body = await read_body(request, limits.max_bytes)
+    data = parse_json_body(body, limits.max_depth)
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:

@@ -31,10 +31,9 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config.loader import to_settings
+from framework.config.loader import public_config, to_settings
 from framework.config.schema import PlugserveConfig
 from framework.server import scheduler_process
-from framework.server.state import SECRET_KEYS
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -62,9 +61,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def _write_child_config(cfg: DictConfig, run_dir: str) -> str:
     """The resolved config for the scheduler process, as YAML it resolves again (and so
     validates again, with the plugins it loads itself); keys are left out: it never needs them."""
-    child = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    for key in SECRET_KEYS:
-        child["server"][key] = None  # type: ignore[index]
+    child = public_config(cfg, replacement=None)
     path = Path(run_dir) / "scheduler.yaml"
     path.write_text(OmegaConf.to_yaml(OmegaConf.create(child)))
     return str(path)
@@ -122,11 +119,8 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
         if info is None:
             return EXIT_OK if stop.is_set() else EXIT_FAILED
         manager.start()
-        server = uvicorn.Server(uvicorn.Config(
-            _make_app(cfg, settings, tokenizer, manager, metrics, info, load_generation_config(model.path)),
-            log_level=settings.server.log_level, access_log=settings.server.log_requests, lifespan="off",
-            timeout_graceful_shutdown=max(1, int(settings.server.shutdown_timeout_s)),
-        ))
+        app = _make_app(cfg, settings, tokenizer, manager, metrics, info, load_generation_config(model.path))
+        server = _http_server(app, settings, manager)
         watch = loop.create_task(_watch(server, manager, proc, stop, exited))
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%s (scheduler pid %s)", model.path, host, port, proc.pid)
@@ -137,6 +131,25 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
         loop.remove_reader(proc.sentinel)
         await _stop_scheduler(manager, proc, settings.server.shutdown_timeout_s)
         await manager.close()
+
+
+def _http_server(app: Starlette, settings: PlugserveConfig, manager: TokenizerManager) -> uvicorn.Server:
+    """uvicorn over the guarded app and connection protocol, with plugserve's graceful drain."""
+    from framework.server.connection import ConnectionLimits, protocol_class
+    from framework.server.graceful import GracefulServer, uvicorn_timeout
+    from framework.server.request_guard import GuardLimits, Lifecycle, RequestGuard, shutting_down_error
+
+    opts = settings.server
+    lifecycle = Lifecycle()
+    guarded = RequestGuard(app, GuardLimits(opts.max_body_bytes, opts.body_read_timeout_s), lifecycle)
+    config = uvicorn.Config(
+        guarded, log_level=opts.log_level, access_log=opts.log_requests, lifespan="off",
+        http=protocol_class(ConnectionLimits(opts.max_connections, opts.header_read_timeout_s)),
+        timeout_keep_alive=opts.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn takes float seconds
+        timeout_graceful_shutdown=uvicorn_timeout(opts.shutdown_timeout_s),
+    )
+    return GracefulServer(config, lifecycle, opts.shutdown_timeout_s,
+                          lambda: manager.fail_all(shutting_down_error()))
 
 
 def _make_app(cfg: DictConfig, settings: PlugserveConfig, tokenizer: Any, manager: TokenizerManager,

@@ -11,7 +11,7 @@ from starlette.routing import Route
 
 from framework.server.chat_template import render_chat
 from framework.server.errors import bad_request
-from framework.server.group_response import request_errors, stream_events, wait_all
+from framework.server.group_response import released_on_error, request_errors, stream_events, wait_all
 from framework.server.http_utils import parse_model, require_bearer, sse
 from framework.server.openai_format import chat_logprobs, completion_logprobs, finish_reason, matched_stop, usage
 from framework.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
@@ -42,13 +42,14 @@ def _usage_flags(body: OpenAISampling) -> tuple[bool, bool]:
     return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
 
 
-async def _completion_prompts(server: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
+async def _completion_prompts(server: ServerState, prompt: Any, n: int) -> list[tuple[str | None, list[int]]]:
     """(text, ids) of each prompt: a string, a list of strings, token ids (text None), or lists of ids."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
         prompt = [prompt]
     require(len(prompt) > 0, "prompt must not be empty", "prompt")
+    server.builder.check_sequence_count(len(prompt), len(prompt) * n)  # before tokenizing any
     out = []
     for p in prompt:
         if isinstance(p, str):
@@ -63,7 +64,7 @@ async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
     server: ServerState = request.app.state.server
     require_bearer(request, server.api_key)
-    body = await parse_model(request, CompletionRequest, server.max_body)
+    body = await parse_model(request, CompletionRequest, server.body_limits)
     _check_common(server, body)
     require(body.suffix is None, "suffix is not supported by this server", "suffix")
     require(body.best_of in (None, body.n), "best_of must equal n on this server", "best_of")
@@ -71,8 +72,11 @@ async def completions(request: Request) -> Response:
     if lp_num is not None:
         server.builder.check_top_logprobs(lp_num, "logprobs")
     require(not (body.echo and lp_num is not None), "echo together with logprobs is not supported", "echo")
-    prompts = await _completion_prompts(server, body.prompt)
+    # OpenAI and vLLM: at least one token, except that echo with max_tokens 0 returns the prompt alone.
+    require(body.max_tokens != 0 or bool(body.echo),
+            "max_tokens must be >= 1 (0 is allowed only with echo, to get the prompt back)", "max_tokens")
     n, group_rid = body.n, body.rid or new_rid()
+    prompts = await _completion_prompts(server, body.prompt, n)
     rids = sub_rids(group_rid, len(prompts) * max(n, 1))
     subs = []
     for i, (_, ids) in enumerate(prompts):
@@ -83,15 +87,16 @@ async def completions(request: Request) -> Response:
         subs += server.builder.expand(rids[i * n:(i + 1) * n], ids, params, return_logprob=lp_num is not None,
                                       top_logprobs_num=lp_num or 0)
     attach_bootstrap(subs, body)
-    group = await server.manager.submit(group_rid, subs)
     echo = None
     if body.echo:
         texts = [text if text is not None else server.tokenizer.decode(ids) for text, ids in prompts]
         echo = [t for t in texts for _ in range(n)]
     head = {"id": f"cmpl-{group_rid}", "object": "text_completion", "created": int(time.time()),
             "model": server.model_name}
+    group = await server.manager.submit(group_rid, subs)
     if body.stream:
-        return await _stream_completion(request, server, group, head, n, lp_num is not None, echo, body)
+        return await released_on_error(server.manager, group, _stream_completion(
+            request, server, group, head, n, lp_num is not None, echo, body))
     await wait_all(request, server.manager, group)
     request_errors(group)
     choices = []
@@ -158,7 +163,7 @@ async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     server: ServerState = request.app.state.server
     require_bearer(request, server.api_key)
-    body = await parse_model(request, ChatCompletionRequest, server.max_body)
+    body = await parse_model(request, ChatCompletionRequest, server.body_limits)
     _check_common(server, body)
     require(not body.tools, "tools are not supported by this server", "tools")
     require(body.tool_choice in (None, "none"), "tool_choice is not supported by this server", "tool_choice")
@@ -175,17 +180,20 @@ async def chat_completions(request: Request) -> Response:
     use_completion = body.max_completion_tokens is not None
     max_name = "max_completion_tokens" if use_completion else "max_tokens"
     max_tokens = body.max_completion_tokens if use_completion else body.max_tokens
+    require(max_tokens != 0, f"{max_name} must be >= 1", max_name)  # as OpenAI: a reply has a token
     params = server.builder.sampling_params({"max_new_tokens": max_tokens, **body.sampling()}, None, len(ids),
                                             names={**_NAMES, "max_new_tokens": max_name})
     server.builder.check_length(ids, params, "messages", max_name)
     n, group_rid = body.n, body.rid or new_rid()
+    server.builder.check_sequence_count(1, n)
     subs = server.builder.expand(sub_rids(group_rid, n), ids, params, return_logprob=bool(body.logprobs),
                                  top_logprobs_num=top or 0)
     attach_bootstrap(subs, body)
-    group = await server.manager.submit(group_rid, subs)
     head = {"id": f"chatcmpl-{group_rid}", "created": int(time.time()), "model": server.model_name}
+    group = await server.manager.submit(group_rid, subs)
     if body.stream:
-        return await _stream_chat(request, server, group, head, bool(body.logprobs), body)
+        return await released_on_error(server.manager, group, _stream_chat(
+            request, server, group, head, bool(body.logprobs), body))
     await wait_all(request, server.manager, group)
     request_errors(group)
     choices = []

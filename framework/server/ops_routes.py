@@ -134,7 +134,7 @@ async def abort_request(request: Request) -> Response:
     """Abort a request by ``rid`` (or all with ``abort_all``); its client gets finish reason abort."""
     server = _server(request)
     require_bearer(request, server.admin_key)
-    body = await parse_model(request, AbortRequest, server.max_body)
+    body = await parse_model(request, AbortRequest, server.body_limits)
     if body.rid is None and not body.abort_all:
         raise APIError(400, "give rid or abort_all", param="rid")
     aborted = await server.manager.abort(body.rid, body.abort_all)

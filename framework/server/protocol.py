@@ -9,11 +9,20 @@ clear "not supported" instead of "unrecognized". SGLang's extras (``top_k``, ``m
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from framework.sampling.params import INT64_MAX, INT64_MIN
+
 Stop = str | list[str] | None
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+"""Integers that cross to the scheduler: each field's own range is checked where it is used
+(``SamplingParams.validate``, the server's limits); this bound keeps every one encodable."""
+Port = Annotated[int, Field(ge=1, le=65535)]
+Room = Annotated[int, Field(ge=0, le=INT64_MAX)]
+"""A PD bootstrap room: SGLang's routers draw it from [0, 2**63); transfer headers hold it as int64."""
+LogprobStart = Annotated[int, Field(ge=-1, le=INT64_MAX)]
 
 
 class StrictModel(BaseModel):
@@ -43,18 +52,18 @@ class SGLangRequestFlags(StrictModel):
 class SGLangExtras(SGLangRequestFlags):
     """Sampling fields beyond OpenAI's that SGLang's OpenAI routes accept."""
 
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Int64 | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     rid: str | None = Field(default=None, description="Request id (for /abort_request); default: random")
     bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = Field(default=None, description="PD disaggregation (set by the router)")
+    bootstrap_port: Port | None = None
+    bootstrap_room: Room | None = Field(default=None, description="PD disaggregation (set by the router)")
 
     def sglang_sampling(self) -> dict[str, Any]:
         return {
@@ -71,13 +80,13 @@ class OpenAISampling(SGLangExtras):
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -92,11 +101,11 @@ class OpenAISampling(SGLangExtras):
 class CompletionRequest(OpenAISampling):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
 
 
@@ -121,10 +130,10 @@ class ChatCompletionRequest(OpenAISampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -142,7 +151,7 @@ class GenerateRequest(StrictModel):
     """``POST /generate`` (SGLang's native API): one prompt or a batch."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[Int64] | list[list[Int64]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
         default=None,
         description="SamplingParams fields: max_new_tokens, min_new_tokens, temperature, top_p, top_k, "
@@ -151,13 +160,13 @@ class GenerateRequest(StrictModel):
     )
     stream: bool = False
     return_logprob: bool | list[bool] = False
-    top_logprobs_num: int | list[int] = 0
-    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: Int64 | list[Int64] = 0
+    logprob_start_len: LogprobStart | list[LogprobStart] = -1
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = Field(default=None, description="PD disaggregation (set by the router)")
+    bootstrap_port: Port | None = None
+    bootstrap_room: Room | None = Field(default=None, description="PD disaggregation (set by the router)")
     # SGLang's GenerateReqInput fields that sglang-router always sends (see SGLangRequestFlags)
     model: str | None = None
     """Ignored: a plugserve server serves one model."""

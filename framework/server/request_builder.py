@@ -14,7 +14,7 @@ from typing import Any
 
 from framework.config.schema import ServerConfig
 from framework.engine.request_state import make_sampling_params
-from framework.sampling.params import SamplingParams
+from framework.sampling.params import SamplingParams, choice_seed
 from framework.server.errors import APIError, bad_request
 from framework.server.tokenizer_manager import SubRequest
 
@@ -83,6 +83,17 @@ class RequestBuilder:
             raise bad_request(f"n must be <= {self.server.max_n} on this server, got {params.n}", "n", "invalid_value")
         return params
 
+    def check_sequence_count(self, num_prompts: int, total: int) -> None:
+        """400 when prompts x ``n`` exceeds ``server.max_sequences_per_request`` (each sequence is
+        a scheduler request; checked before any prompt is tokenized where the count is known)."""
+        limit = self.server.max_sequences_per_request
+        if total > limit:
+            raise bad_request(
+                f"this request asks for {total} sequences ({num_prompts} prompt(s) x n); this server allows at "
+                f"most {limit} per request (server.max_sequences_per_request): split it into several requests",
+                "n" if num_prompts == 1 else "prompt", "too_many_sequences",
+            )
+
     def check_top_logprobs(self, value: int, param: str) -> None:
         limit = self.server.max_top_logprobs
         if not 0 <= value <= limit:
@@ -115,7 +126,7 @@ class RequestBuilder:
         for i, rid in enumerate(rids):
             sub = SamplingParams.from_dict({**params.to_dict(), "n": 1})
             if params.seed is not None:
-                sub.seed = params.seed + i
+                sub.seed = choice_seed(params.seed, i)
             subs.append(SubRequest(
                 rid=rid, input_ids=ids, params=sub,
                 return_logprob=return_logprob or top_logprobs_num > 0 or logprob_start_len >= 0,

@@ -92,6 +92,7 @@ class SchedulerLoop:
         from framework.scheduler.scheduler import AdmissionError, QueueFullError
 
         added: list[str] = []
+        group = batch.reqs[0].rid if len(batch.reqs) > 1 else None  # unique while any of them lives
         try:
             for g in batch.reqs:
                 req = Req(
@@ -105,6 +106,7 @@ class SchedulerLoop:
                     bootstrap_host=g.bootstrap_host,
                     bootstrap_port=g.bootstrap_port,
                     bootstrap_room=g.bootstrap_room,
+                    group=group,
                 )
                 self.scheduler.add_request(req)
                 added.append(g.rid)

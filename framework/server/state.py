@@ -7,17 +7,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from framework.config.loader import public_config
 from framework.config.schema import PlugserveConfig
 from framework.server.errors import APIError
+from framework.server.http_utils import BodyLimits
 from framework.server.metrics import ServerMetrics
 from framework.server.openai_format import TokenText
 from framework.server.request_builder import RequestBuilder
 from framework.server.tokenizer_manager import TokenizerManager
-
-SECRET_KEYS = ("api_key", "admin_key")
-"""Config fields never echoed back by /server_info."""
 
 
 def served_model_name(settings: PlugserveConfig) -> str:
@@ -52,8 +51,8 @@ class ServerState:
         return self.settings.server.admin_key or self.settings.server.api_key
 
     @property
-    def max_body(self) -> int:
-        return self.settings.server.max_body_bytes
+    def body_limits(self) -> BodyLimits:
+        return BodyLimits(self.settings.server.max_body_bytes, self.settings.server.max_json_depth)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -62,9 +61,4 @@ class ServerState:
 
     def public_config(self) -> dict[str, Any]:
         """The resolved config with the keys redacted."""
-        data: dict[str, Any] = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)  # type: ignore[assignment]
-        server = data.get("server", {})
-        for key in SECRET_KEYS:
-            if server.get(key) is not None:
-                server[key] = "<redacted>"
-        return data
+        return public_config(self.cfg)

@@ -158,14 +158,36 @@ class TokenizerManager:
         self.dead = reason
         error = APIError(503, f"the scheduler process died ({reason}); the server is shutting down",
                          code="scheduler_dead")
-        for group in list(self._groups.values()):
-            group.fail(error)
-        self._groups.clear()
-        self._routes.clear()
+        self._end_all(error)
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(error)
         self._calls.clear()
+
+    async def fail_all(self, error: APIError) -> int:
+        """End every open request now (the shutdown grace period is over): each unfinished one
+        finishes with reason abort, its client gets ``error`` (a 503, or in a stream the last
+        chunks, an error event and ``[DONE]``), and the scheduler frees its KV. Returns how many."""
+        rids = self._end_all(error)
+        if rids and self.dead is None:
+            await self.push.send(ipc.encode(ipc.Abort(rids=rids)))
+        return len(rids)
+
+    def _end_all(self, error: APIError) -> list[str]:
+        ended: list[str] = []
+        for group in list(self._groups.values()):
+            for index, state in enumerate(group.states):
+                if not state.finished:
+                    state.abort(error.message)
+                    self.metrics.finished("abort", state.prompt_tokens, state.completion_tokens,
+                                          state.cached_tokens, state.created, state.first_token_at)
+                    group.queue.put_nowait(Event(index, "", True))
+                    ended.append(state.rid)
+            group.fail(error)
+            group.closed = True  # nothing is left for close_group to abort
+        self._groups.clear()
+        self._routes.clear()
+        return ended
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -175,12 +197,19 @@ class TokenizerManager:
         for rid in [group_rid, *(s.rid for s in subs)]:
             if rid in self._groups or rid in self._routes:
                 raise APIError(400, f"request id {rid!r} is already in use", param="rid", code="duplicate_rid")
+        # Everything that can fail happens before the group is registered: a request that never
+        # reached the scheduler must not stay in the tables (its rid would be refused forever).
+        message = ipc.encode(ipc.GenerateBatch(reqs=[s.to_ipc() for s in subs]))
         states = [RequestState(s.rid, self.tokenizer, s.input_ids, s.params, s.return_logprob) for s in subs]
         group = RequestGroup(group_rid, subs, states)
         self._groups[group_rid] = group
         for i, s in enumerate(subs):
             self._routes[s.rid] = (group, i)
-        await self.push.send(ipc.encode(ipc.GenerateBatch(reqs=[s.to_ipc() for s in subs])))
+        try:
+            await self.push.send(message)
+        except BaseException:
+            self._forget(group)
+            raise
         return group
 
     async def close_group(self, group: RequestGroup) -> None:

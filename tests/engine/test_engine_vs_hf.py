@@ -250,6 +250,27 @@ def test_prompt_logprobs_match_transformers(cases, make_engine, arch):
     assert abs(first_out[0] - ref[-1].max().item()) < 1e-4
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_max_new_tokens_zero_scores_the_prompt_without_generating(llama, make_engine, overlap):
+    """SGLang's scoring use: max_new_tokens 0 with prompt logprobs runs the prefill only."""
+    name, path, hf, prompts, _ = llama
+    eng = make_engine(path, f"scheduler.overlap={overlap}")
+    prompt = prompts[1]
+    res = eng.generate(prompt, {"temperature": 0.0, "max_new_tokens": 0}, logprob_start_len=0, top_logprobs_num=2)
+    assert res["output_ids"] == [] and res["text"] == ""
+    assert res["meta_info"]["finish_reason"] == {"type": "length"}
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    got = [lp for lp, _ in res["meta_info"]["input_token_logprobs"]]
+    want = [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    assert got[0] is None
+    torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(want), atol=1e-4, rtol=0)
+    # Without logprobs nothing runs at all; both leave no KV behind.
+    assert eng.generate(prompt, {"max_new_tokens": 0})["output_ids"] == []
+    report = eng.leak_report()
+    assert report["held_by_requests"] == 0 and report["leaked"] == 0, report
+
+
 def test_prompt_logprobs_from_a_start_position_with_cached_prefix(llama, make_engine):
     name, path, hf, prompts, _ = llama
     eng = make_engine(path, "scheduler.chunked_prefill_size=8")

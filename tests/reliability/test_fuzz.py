@@ -8,28 +8,16 @@ two minutes here; ``--run-slow`` draws 200 per operation.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.server.conftest import Server, assert_no_leak, start_server
+from tests.server.conftest import Server, assert_no_leak
 
 FUZZ_EXAMPLES = int(os.environ.get("PLUGSERVE_FUZZ_EXAMPLES", "15"))
 LONG_FUZZ_EXAMPLES = 200
-
-
-@pytest.fixture(scope="module")
-def fuzz_server(tiny_model, tmp_path_factory) -> Iterator[Server]:
-    # A short context bounds how long any generated request can run.
-    srv = start_server(tmp_path_factory.mktemp("fuzz"), [
-        f"model.path={tiny_model}", "kv_cache.max_total_tokens=2048", "model.context_length=64",
-        "scheduler.max_queued_requests=64",
-    ])
-    yield srv
-    srv.stop()
 
 
 def operations(server: Server) -> list:

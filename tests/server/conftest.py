@@ -94,20 +94,21 @@ class Server:
 
 
 def start_server(tmp: Path, overrides: list[str], api_key: str | None = None,
-                 admin_key: str | None = None, new_session: bool = False) -> Server:
+                 admin_key: str | None = None, new_session: bool = False, config_file: Path | None = None,
+                 env: dict[str, str] | None = None) -> Server:
     """Start ``plugserve serve`` (the real CLI) and wait until /health answers 200.
 
     ``new_session`` puts it in its own process group, so a test can send Ctrl-C's SIGINT to the
-    whole group as a terminal does.
+    whole group as a terminal does. ``env`` is added to this process's environment.
     """
     port = free_port()
-    args = [*COMMON, f"server.port={port}", *overrides]
+    args = [*(["--config", str(config_file)] if config_file else []), *COMMON, f"server.port={port}", *overrides]
     if api_key:
         args.append(f"server.api_key={api_key}")
     if admin_key:
         args.append(f"server.admin_key={admin_key}")
     log = tmp / f"server-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "wb") as out:
         proc = subprocess.Popen([PLUGSERVE, "serve", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=new_session)
