@@ -65,7 +65,12 @@ def test_ipc_round_trip() -> None:
 def test_validation_errors_name_the_field() -> None:
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate({"model": "m", "prompt": ["a", 1]})
-    assert from_validation_error(info.value).param == "prompt"  # not "prompt.str": union tags are dropped
+    # Not "prompt.list[str].1": union tags are dropped; the member that got deepest names the element.
+    assert from_validation_error(info.value).param == "prompt.1"
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"model": "m", "prompt": [1, 2**63]})
+    err = from_validation_error(info.value)  # token ids: the broken bound, not "not a string"
+    assert err.param == "prompt.1" and "less than or equal" in err.message
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate({"model": "m", "prompt": "a", "bogus": 1})
     err = from_validation_error(info.value)
