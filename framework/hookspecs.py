@@ -6,12 +6,15 @@ registered directly with ``get_plugins().pm.register(obj)`` in tests.
 
 Registration hooks receive a ``register`` callable::
 
-    register(name, factory, config=OptionsDataclass)
+    register(name, factory, config=OptionsDataclass, capabilities=Capabilities(...))
 
 ``name`` is what a user writes in the config (``attention.backend: my_backend``); ``factory`` builds
 the component; ``config`` is the plugin's own options dataclass (or ``None``): the user's
 ``options:`` block for that component is validated against it, so typos and wrong types fail at
-start naming the key. Every hookspec here must have a docstring and a section in docs/plugins.md
+start naming the key. ``capabilities`` (:class:`Capabilities`, optional) declares the devices it
+runs on, its priority under ``auto``, and features the core checks (CUDA graphs, row
+pre-allocation), so the core never probes a factory or names a built-in.
+Every hookspec here must have a docstring and a section in docs/plugins.md
 (a test checks both).
 """
 
@@ -21,6 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pluggy
+
+from framework.registry import Capabilities
+
+__all__ = ["Capabilities", "Register", "hookimpl", "hookspec"]
 
 PROJECT_NAME = "plugserve"
 

@@ -23,7 +23,7 @@ import pluggy
 
 from framework import hookspecs
 from framework.errors import PluginError, did_you_mean
-from framework.registry import KIND_HOOKS, Component, Registry
+from framework.registry import KIND_HOOKS, Capabilities, Component, Registry
 
 ENTRY_POINT_GROUP = "plugserve"
 PLUGINS_ENV = "PLUGSERVE_PLUGINS"
@@ -160,13 +160,15 @@ class PluginSet:
                     name: str,
                     factory: Any,
                     config: type | None = None,
+                    capabilities: Capabilities | None = None,
                     *,
                     _kind: str = kind,
                     _plugin: str = impl.plugin_name,
                     _dist: str | None = dist,
                     _version: str | None = version,
                 ) -> None:
-                    registry.add(Component(_kind, name, factory, config, _plugin, _dist, _version))
+                    registry.add(Component(_kind, name, factory, config, _plugin, _dist, _version,
+                                           capabilities if capabilities is not None else Capabilities()))
 
                 impl.function(register=register)
         return registry

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from framework.errors import ConfigError, PluginError, did_you_mean
@@ -20,8 +20,34 @@ KIND_HOOKS: dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a component declares about itself when it registers
+    (``register(name, factory, config=..., capabilities=Capabilities(...))``). The core reads these
+    instead of probing factories or naming built-ins: ``auto`` choices, device checks and
+    feature checks all come from here, so a third-party component takes part on equal terms."""
+
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    """Device types it runs on; choosing it explicitly elsewhere fails at config resolution."""
+    auto_priority: Mapping[str, int] = field(default_factory=dict)
+    """Device type -> priority under ``auto`` (``attention.backend``, ``memory_pool.name``): the
+    highest usable one is chosen. A device missing here: never chosen automatically there."""
+    cuda_graph: bool = False
+    """Attention backends: the decode forward can be captured and replayed as a CUDA graph."""
+    preallocation: bool = False
+    """Memory pools: reserves rows beyond the running cap for requests whose KV is in flight
+    (a :class:`~framework.memory.request_pool.PreallocatingRequestPool`); PD decode needs it."""
+    unavailable_reason: Callable[[], str | None] | None = None
+    """A cheap check (imports nothing heavy) of why it cannot run in this process (a package or
+    compiler missing), or None when it can; ``auto`` skips a component that cannot run."""
+
+    def usable(self) -> bool:
+        return self.unavailable_reason is None or self.unavailable_reason() is None
+
+
+@dataclass(frozen=True)
 class Component:
-    """One registered component: its factory, its options schema and where it came from."""
+    """One registered component: its factory, its options schema, its declared capabilities and
+    where it came from."""
 
     kind: str
     name: str
@@ -30,6 +56,7 @@ class Component:
     plugin: str
     distribution: str | None
     version: str | None
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
     @property
     def module(self) -> str:
@@ -55,6 +82,11 @@ class Registry:
     def add(self, component: Component) -> None:
         if component.kind not in self._components:
             raise PluginError(f"unknown component kind {component.kind!r}")
+        if not isinstance(component.capabilities, Capabilities):
+            raise PluginError(
+                f"plugin {component.plugin!r} registered {component.kind} {component.name!r} with "
+                f"capabilities={component.capabilities!r}: expected framework.registry.Capabilities"
+            )
         if component.options_cls is not None and not dataclasses.is_dataclass(component.options_cls):
             raise PluginError(
                 f"plugin {component.plugin!r} registered {component.kind} {component.name!r} with "
@@ -77,6 +109,17 @@ class Registry:
 
     def has(self, kind: str, name: str) -> bool:
         return name in self._components[kind]
+
+    def auto_choice(self, kind: str, device: str, accept: Callable[[Component], bool] = lambda c: True) -> str | None:
+        """The component of ``kind`` that ``auto`` picks on ``device``: the highest
+        ``auto_priority`` there among those ``accept`` allows and that can run here (ties by name)."""
+        candidates = [
+            c for c in self._components[kind].values()
+            if device in c.capabilities.auto_priority and accept(c) and c.capabilities.usable()
+        ]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda c: (c.capabilities.auto_priority[device], c.name)).name
 
     def get(self, kind: str, name: str, key: str | None = None) -> Component:
         """Look a component up; an unknown name raises a ConfigError listing the installed ones."""

@@ -15,24 +15,18 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from framework.engine.forward_batch import ForwardBatch
+    from framework.executor.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
     """Computes attention over the paged KV cache for one forward batch.
 
     Lifecycle per forward: ``init_forward_metadata(batch)`` once, then ``forward(...)`` once per
-    layer. Backends that support CUDA graphs also implement the ``*_cuda_graph_*`` methods.
+    layer. Backends that declare ``Capabilities(cuda_graph=True)`` when they register also
+    implement the ``*_cuda_graph_*`` methods. Devices, ``auto`` priority and an
+    ``unavailable_reason`` check are declared in the registration too
+    (:class:`framework.registry.Capabilities`), not probed on the class.
     """
-
-    #: Whether this backend can be captured in a CUDA graph for decode.
-    supports_cuda_graph: bool = False
-
-    @staticmethod
-    def unavailable_reason() -> str | None:
-        """Why this backend cannot run in this process, or ``None``. Must be cheap and import
-        nothing heavy: ``attention.backend: auto`` calls it to skip backends that would fail."""
-        return None
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -93,11 +87,12 @@ class AttentionBackend(ABC):
         """One new token per request attends to its whole context."""
 
     # --- CUDA-graph hooks ---------------------------------------------------------------------
-    # Used by framework.engine.cuda_graph_runner, only when ``supports_cuda_graph`` is True. The
-    # runner captures one graph per decode batch-size bucket; a captured graph re-launches the
-    # same kernels on the same memory, so everything a decode forward reads (index tables, lengths)
-    # must live in buffers allocated once here and refreshed *in place* before each replay, and the
-    # decode path must make no host syncs or data-dependent shapes while it is being captured.
+    # Used by framework.executor.cuda_graph_runner, only for a backend registered with
+    # ``Capabilities(cuda_graph=True)``. The runner captures one graph per decode batch-size
+    # bucket; a captured graph re-launches the same kernels on the same memory, so everything a
+    # decode forward reads (index tables, lengths) must live in buffers allocated once here and
+    # refreshed *in place* before each replay, and the decode path must make no host syncs or
+    # data-dependent shapes while it is being captured.
 
     def init_cuda_graph_state(self, max_batch_size: int, max_context_len: int) -> None:
         """Allocate the static buffers captured graphs read their metadata from.

@@ -18,7 +18,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.config.schema import Device, PlugserveConfig
+from framework.config.auto import check_component_capabilities, check_section_combinations, resolve_auto
+from framework.config.schema import PlugserveConfig
 from framework.errors import ConfigError, did_you_mean
 
 DEFAULT_PRESET = "serve.yaml"
@@ -125,6 +126,7 @@ def resolve_config(
     except OmegaConfBaseException as exc:
         raise _explain(exc) from None
     _check_values(cfg)
+    check_section_combinations(cfg)
     _keys_from_environment(cfg)
     resolve_auto(cfg)
     if validate_components:
@@ -186,71 +188,6 @@ def _keys_from_environment(cfg: DictConfig) -> None:
             cfg.server[key] = os.environ[env]
 
 
-#: ``scheduler.max_prefill_tokens: null`` per device (see the schema's docstring for why CPU differs).
-AUTO_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 1024}
-
-#: ``attention.backend: auto`` on GPU takes the first of these that can run here.
-GPU_BACKEND_PREFERENCE = ("flashinfer", "triton")
-#: ... and on CPU (cpu_paged needs a C compiler for its decode kernel; torch_native runs anywhere).
-CPU_BACKEND_PREFERENCE = ("cpu_paged",)
-
-
-def _backend_usable(name: str) -> bool:
-    """Registered, and its optional ``unavailable_reason()`` (a static check that imports nothing
-    heavy) has no objection: a registered flashinfer without the package must not be picked."""
-    from framework.plugins import get_registry
-
-    registry = get_registry()
-    if not registry.has("attention_backend", name):
-        return False
-    factory = registry.get("attention_backend", name).factory
-    owner = getattr(factory, "__self__", factory)  # a classmethod factory: ask its class
-    check = getattr(owner, "unavailable_reason", None)
-    return check is None or check() is None
-
-
-def _backend_supports_cuda_graph(name: str) -> bool | None:
-    """The registered backend's ``supports_cuda_graph``; ``None`` when ``name`` is not registered
-    (the component check reports that with the installed names)."""
-    from framework.plugins import get_registry
-
-    registry = get_registry()
-    if not registry.has("attention_backend", name):
-        return None
-    factory = registry.get("attention_backend", name).factory
-    owner = getattr(factory, "__self__", factory)
-    return bool(getattr(owner, "supports_cuda_graph", False))
-
-
-def resolve_auto(cfg: DictConfig) -> None:
-    """Replace ``auto`` device, attention backend, memory pool, prefill budget and CUDA-graph
-    switch by what will really run."""
-    import torch
-
-    if cfg.device.device.value == "auto":
-        cfg.device.device = Device.cuda if torch.cuda.is_available() else Device.cpu
-    if cfg.scheduler.max_prefill_tokens is None:
-        cfg.scheduler.max_prefill_tokens = AUTO_MAX_PREFILL_TOKENS[cfg.device.device.value]
-    if cfg.attention.backend == "auto":
-        preference = CPU_BACKEND_PREFERENCE if cfg.device.device.value == "cpu" else GPU_BACKEND_PREFERENCE
-        cfg.attention.backend = next((b for b in preference if _backend_usable(b)), "torch_native")
-    if cfg.memory_pool.name == "auto":
-        decode = cfg.disaggregation.mode is not None and cfg.disaggregation.mode.value == "decode"
-        cfg.memory_pool.name = "decode_prealloc" if decode else "standard"
-    from framework.engine.cuda_graph_runner import resolve_cuda_graph_enabled
-
-    supports = _backend_supports_cuda_graph(cfg.attention.backend)
-    enabled = cfg.cuda_graph.enabled
-    if enabled is None and cfg.disaggregation.mode is not None and cfg.disaggregation.mode.value == "prefill":
-        enabled = False  # a prefill server never decodes: capturing would only cost start time and memory
-    # An unknown backend is reported by the component check; the device check still applies.
-    enabled = resolve_cuda_graph_enabled(
-        enabled, cfg.device.device.value, cfg.attention.backend, supports is not False
-    )
-    if supports is not None:
-        cfg.cuda_graph.enabled = enabled
-
-
 def validate_options(component: Any, options: Any, key: str) -> DictConfig:
     """Validate an ``options`` block against the component's options dataclass."""
     raw = options if options is not None else {}
@@ -277,6 +214,7 @@ def validate_component_slots(cfg: DictConfig) -> None:
         component = registry.get(kind, name, key=name_key)
         validated = validate_options(component, OmegaConf.select(cfg, options_key), options_key)
         OmegaConf.update(cfg, options_key, validated, merge=False)
+    check_component_capabilities(cfg, registry)
     _validate_model(cfg, registry)
 
 

@@ -8,4 +8,7 @@ Module map:
   and merging contiguous page runs into one transfer each.
 - ``bootstrap``: the prefill side's bootstrap service (ranks register their transfer endpoints,
   decode servers post the destination pages of a room) and its JSON client.
+- ``common``: building the configured transfer backend; the first-token metadata.
+- ``prefill_side``, ``decode_side``: the two ``PDSide`` implementations
+  (``framework.scheduler.pd``); ``factory.make_pd_side`` picks one for the config.
 """

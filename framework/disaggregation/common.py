@@ -29,14 +29,13 @@ def decode_first_token(data: bytes) -> FirstToken:
 
 
 def build_backend(settings: Any, role: str, kv_cache: Any) -> TransferBackend:
-    """The ``disaggregation.transfer_backend`` plugin over this server's KV cache."""
-    from framework.config.loader import validate_options
+    """The ``disaggregation.transfer_backend`` plugin over this server's KV cache (its options were
+    validated when the config was resolved)."""
     from framework.plugins import get_registry
 
     dcfg = settings.disaggregation
     comp = get_registry().get("transfer_backend", dcfg.transfer_backend, key="disaggregation.transfer_backend")
-    options = comp.make_options(validate_options(comp, dcfg.transfer_options, "disaggregation.transfer_options"))
-    return comp.factory(role, KVLayout.from_cache(kv_cache), options)
+    return comp.factory(role, KVLayout.from_cache(kv_cache), comp.make_options(dcfg.transfer_options))
 
 
 def room_of(req: Any) -> int:
@@ -44,21 +43,3 @@ def room_of(req: Any) -> int:
     if room is None:
         raise ValueError("a request to a prefill or decode server needs bootstrap_room (send it through the router)")
     return int(room)
-
-
-def make_pd_side(scheduler: Any) -> Any:
-    """The scheduler's PD half for ``disaggregation.mode`` (None in unified mode)."""
-    mode = scheduler.settings.disaggregation.mode
-    if mode is None:
-        return None
-    if scheduler.cfg.overlap:
-        from framework.errors import ConfigError
-
-        raise ConfigError("scheduler.overlap is not supported with disaggregation.mode yet: set it to false")
-    if mode.value == "prefill":
-        from framework.disaggregation.prefill_side import PrefillSide
-
-        return PrefillSide(scheduler)
-    from framework.disaggregation.decode_side import DecodeSide
-
-    return DecodeSide(scheduler)

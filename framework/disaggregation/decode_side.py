@@ -34,7 +34,7 @@ from framework.disaggregation.base import TransferBackend, TransferState, Transf
 from framework.disaggregation.bootstrap import BootstrapClient
 from framework.disaggregation.common import build_backend, decode_first_token, room_of
 from framework.errors import ConfigError
-from framework.scheduler.finish import check_finished
+from framework.memory.request_pool import PreallocatingRequestPool
 from framework.scheduler.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -83,10 +83,10 @@ class DecodeSide:
         self.sched = scheduler
         self.cfg = scheduler.settings.disaggregation
         self.pool = scheduler.runner.req_pool
-        if not hasattr(self.pool, "activate"):
+        if not isinstance(self.pool, PreallocatingRequestPool):  # the config check refuses this first
             raise ConfigError(
-                "disaggregation.mode=decode needs a pre-allocating request pool "
-                f"(memory_pool.name=decode_prealloc), not {scheduler.settings.memory_pool.name!r}"
+                "disaggregation.mode=decode needs a pre-allocating request pool (registered with "
+                f"Capabilities(preallocation=True)), not {scheduler.settings.memory_pool.name!r}"
             )
         self.backend = build_backend(scheduler.settings, "decode", scheduler.runner.kv_cache)
         self.session = uuid.uuid4().hex
@@ -101,7 +101,7 @@ class DecodeSide:
         self._next_try = 0.0
         self._next_check = 0.0
 
-    # -- scheduler hooks -------------------------------------------------------------------
+    # -- the PDSide protocol (framework.scheduler.pd) ---------------------------------------
 
     def admit(self, req: Req) -> bool:
         """Take the request into the pre-allocation queue (it never enters the waiting queue)."""
@@ -212,14 +212,9 @@ class DecodeSide:
             need = -(-len(req.input_ids) // kv.page_size) * kv.page_size
             if need > self._budget() or self.pool.available_size() == 0:
                 break  # FIFO: later requests wait behind the head
-            kv.admit(req, kv.cache.match_prefix([]))
-            req.extend_len = len(req.input_ids)
-            slots = kv.alloc_extend([req])
-            req.extend_len = 0
-            if slots is None:  # cannot happen after the budget check; give the row back
-                kv.release(req)
+            slots = kv.reserve(req)
+            if slots is None:  # cannot happen after the budget check
                 break
-            req.kv_len = len(req.input_ids)
             self.prealloc.popleft()
             dst_pages = pages_of_slots(slots.tolist(), kv.page_size)
             self.backend.expect(inc.room, dst_pages)
@@ -255,7 +250,7 @@ class DecodeSide:
 
     def _join(self, inc: _Incoming) -> None:
         """The KV arrived: append the prefill server's first token and start decoding."""
-        s, r = self.sched, inc.req
+        r = inc.req
         backend = inc.backend or self.backend
         meta = decode_first_token(backend.metadata(inc.room) or b"")
         backend.release(inc.room)
@@ -268,13 +263,7 @@ class DecodeSide:
             if meta.input_logprobs:
                 r.input_logprobs = list(meta.input_logprobs)
                 r.input_top_logprobs = list(meta.input_top_logprobs or [])
-        reason = check_finished(r, s.context_len, s.tokenizer)
-        if reason is not None:
-            r.finished_reason = reason
-            s._finish(r)
-        else:
-            s.running.append(r)
-            s._pending.append(s._delta(r))
+        self.sched.start_decoding(r)
 
     def _fail(self, inc: _Incoming, message: str | None) -> None:
         """Free the reservation without caching it (its pages hold no valid KV) and report; pages
@@ -292,13 +281,10 @@ class DecodeSide:
             r.req_pool_idx, r.last_node, r.kv_len = None, None, 0
         r.finished_reason = FinishReason("abort", message=message or "the KV transfer failed")
         logger.warning("request %s: %s", r.rid, r.finished_reason.message)
-        self.sched._finish(r, error=r.finished_reason.message)
+        self.sched.finish(r, error=r.finished_reason.message)
 
     def _free(self, row: int, indices: Any, last_node: Any) -> None:
-        kv = self.sched.kv
-        kv.allocator.free(indices)
-        kv.cache.dec_lock_ref(last_node)
-        self.pool.free(row)
+        self.sched.kv.discard(row, indices, last_node)
 
     def _release_quarantine(self) -> bool:
         keep = [q for q in self.quarantine if not q.backend.quiescent(q.room)]

@@ -72,17 +72,16 @@ class PrefillSide:
         endpoint = {**self.backend.endpoint(), "pd_session": self.session, "pd_peer_session": self.peer_session}
         self.service.register("prefill", 0, endpoint)
 
-    # -- scheduler hooks -------------------------------------------------------------------
+    # -- the PDSide protocol (framework.scheduler.pd) ---------------------------------------
 
     def admit(self, req: Req) -> bool:
         """Check the request has a room; it then queues for prefill like any other (False)."""
         room_of(req)
         return False
 
-    def on_prefilled(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        """Sample each request's first token; keep its KV until the transfer is final."""
-        s = self.sched
-        out = s._sample_tensors(logits, s._sampling_inputs(reqs))
+    def on_prefilled(self, reqs: list[Req], logits: torch.Tensor) -> bool:
+        """Sample each request's first token; keep its KV until the transfer is final (taken)."""
+        out = self.sched.sample(reqs, logits)
         ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         for i, r in enumerate(reqs):
@@ -100,6 +99,7 @@ class PrefillSide:
             r.output_ids.append(ids[i])  # reported to the client of this server when finished
             if meta.logprob is not None:
                 r.output_logprobs.append(meta.logprob)
+        return True
 
     def _follow_decode(self) -> bool:
         """Drop a broken link; connect to a newly registered decode session."""
@@ -185,7 +185,7 @@ class PrefillSide:
         else:
             r.finished_reason = FinishReason("abort", message=task.error)
             logger.warning("request %s: %s", r.rid, task.error)
-        self.sched._finish(r, error=r.finished_reason.message)
+        self.sched.finish(r, error=r.finished_reason.message)
 
     def abort(self, req: Req, message: str) -> bool:
         """Abort a request waiting here; one whose pages are being read finishes once final."""

@@ -1,1 +1,2 @@
-"""The in-process inference engine: model runner, forward batches, the Engine facade."""
+"""The in-process front end: the ``Engine`` facade and the client-side request state it shares
+with the HTTP server (detokenization, stop strings, meta info)."""

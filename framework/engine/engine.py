@@ -15,8 +15,9 @@ from transformers import AutoTokenizer
 
 from framework.config.loader import resolve_config, to_settings
 from framework.config.schema import PlugserveConfig
-from framework.engine.model_runner import ModelRunner
+from framework.disaggregation.factory import make_pd_side
 from framework.engine.request_state import RequestState, make_sampling_params
+from framework.executor.model_runner import ModelRunner
 from framework.models.loader import load_generation_config
 from framework.sampling.params import SamplingParams, choice_seed
 from framework.scheduler.request import Req
@@ -52,7 +53,7 @@ class Engine:
         model_cfg = self.settings.model
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path)
         self.runner = ModelRunner(self.settings, progress=progress)
-        self.scheduler = Scheduler(self.settings, self.runner, self.tokenizer)
+        self.scheduler = Scheduler(self.settings, self.runner, self.tokenizer, pd_side=make_pd_side)
         self.generation_defaults = load_generation_config(model_cfg.path)
         self.eos_token_ids = eos_token_ids(self.generation_defaults, self.tokenizer)
         self._states: dict[str, RequestState] = {}

@@ -38,10 +38,6 @@ class RequestPool(ABC):
     def available_size(self) -> int:
         """How many rows ``alloc`` can hand out now."""
 
-    @abstractmethod
-    def clear(self) -> None:
-        """Free every row."""
-
     def write(self, index: int | torch.Tensor | tuple, values: torch.Tensor | int) -> None:
         """``req_to_token[index] = values`` (index as for tensor indexing, e.g. ``(slot, slice)``)."""
         self.req_to_token[index] = values
@@ -76,8 +72,23 @@ class TableRequestPool(RequestPool):
     def available_size(self) -> int:
         return len(self._rows)
 
-    def clear(self) -> None:
-        self._rows.reset()
+
+class PreallocatingRequestPool(RequestPool):
+    """A pool that also hands out rows to requests that are not running yet (PD decode: their
+    KV is still in flight), while at most ``size`` rows *run* at once. Register such a pool with
+    ``Capabilities(preallocation=True)``: a PD decode server requires it at config resolution."""
+
+    @abstractmethod
+    def activate(self, row: int) -> bool:
+        """Mark a reserved row as running; False if ``size`` rows already run."""
+
+    @abstractmethod
+    def deactivate(self, row: int) -> None:
+        """The row's request stopped running (it keeps the row until freed)."""
+
+    @abstractmethod
+    def running_count(self) -> int:
+        """Rows running now (at most ``size``)."""
 
 
 class FreeRowList:
@@ -116,7 +127,3 @@ class FreeRowList:
 
     def is_used(self, row: int) -> bool:
         return bool(self._used[row])
-
-    def reset(self) -> None:
-        self._free = deque(range(self.num_rows))
-        self._used = bytearray(self.num_rows)

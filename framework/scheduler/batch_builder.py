@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from framework.engine.forward_batch import ForwardBatch, ForwardMode
+from framework.executor.forward_batch import ForwardBatch, ForwardMode
 from framework.scheduler.request import Req
 
 
@@ -101,3 +101,20 @@ def build_decode(
         attn_backend=runner.attn_backend,  # type: ignore[attr-defined]
         logits_indices=None,
     )
+
+
+def record_prompt_logprobs(reqs: list[Req], logits: torch.Tensor, plan: LogitsPlan) -> None:
+    """Append each request's prompt logprobs (and top logprobs) from its rows of ``logits``."""
+    if not plan.prompt_rows:
+        return
+    by_rid = {r.rid: r for r in reqs}
+    for rid, (row, n, first_pos) in plan.prompt_rows.items():
+        r = by_rid[rid]
+        logp = torch.log_softmax(logits[row : row + n], dim=-1)
+        targets = torch.tensor(r.input_ids[first_pos + 1 : first_pos + 1 + n], device=logp.device)
+        r.input_logprobs.extend(logp.gather(1, targets[:, None]).squeeze(1).tolist())
+        if r.top_logprobs_num:
+            vals, ids = logp.topk(r.top_logprobs_num, dim=-1)
+            r.input_top_logprobs.extend(
+                [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+            )

@@ -8,6 +8,7 @@ prefix cache, or exactly one request. A request's first ``prefix_len`` slots are
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ class KVManager:
         req.req_pool_idx = rows[0]
         n = match.prefix_len
         if n:
-            self.req_to_token[req.req_pool_idx, :n] = match.indices.to(torch.int32)
+            self.req_pool.write((req.req_pool_idx, slice(0, n)), match.indices.to(torch.int32))
         self.cache.inc_lock_ref(match.last_node)
         req.last_node = match.last_node
         req.prefix_len = req.kv_len = n
@@ -129,7 +130,7 @@ class KVManager:
             return None
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self._device)
         cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=self._device)
-        self.req_to_token[rows, cols] = slots.to(torch.int32)
+        self.req_pool.write((rows, cols), slots.to(torch.int32))
         return slots
 
     def _write(self, reqs: Sequence[Req], starts: list[int], lens: list[int], slots: torch.Tensor) -> None:
@@ -144,7 +145,7 @@ class KVManager:
         cols = torch.arange(total) - torch.repeat_interleave(
             offsets - torch.tensor(starts, dtype=torch.int64), lens_t, output_size=total
         )
-        self.req_to_token[rows.to(self._device), cols.to(self._device)] = slots.to(torch.int32)
+        self.req_pool.write((rows.to(self._device), cols.to(self._device)), slots.to(torch.int32))
 
     # -- release -----------------------------------------------------------------------------
 
@@ -159,6 +160,28 @@ class KVManager:
         req.last_node = None
         req.kv_len = req.prefix_len = 0
 
+    def reserve(self, req: Req) -> torch.Tensor | None:
+        """A row and KV pages for the request's whole prompt, with nothing from the prefix cache:
+        its KV will be written from elsewhere (PD decode: by the transfer). Returns the slots;
+        None, with nothing held, if no row or KV is free."""
+        if not self.admit(req, self.cache.match_prefix([])):
+            return None
+        req.extend_len = len(req.input_ids)
+        slots = self.alloc_extend([req])
+        req.extend_len = 0
+        if slots is None:
+            self.release(req)
+            return None
+        req.kv_len = len(req.input_ids)
+        return slots
+
+    def discard(self, row: int, indices: torch.Tensor, last_node: Any) -> None:
+        """Free a reservation whose pages hold no valid KV (a failed transfer): the pages go back
+        to the allocator, never to the prefix cache; the prefix lock and the row are released."""
+        self.allocator.free(indices)
+        self.cache.dec_lock_ref(last_node)
+        self.req_pool.free(row)
+
     def cache_prefix(self, req: Req) -> None:
         """Put a running request's computed KV (whole pages) into the prefix cache now, so that
         requests arriving while it still runs share its prompt (SGLang's cache_unfinished_req).
@@ -168,7 +191,7 @@ class KVManager:
         kv = req.kv_indices(self.req_to_token)
         result = self.cache.cache_unfinished_request(req.fill_ids[: req.kv_len], kv, req.prefix_len, req.last_node)
         n = result.prefix_len
-        self.req_to_token[req.req_pool_idx, :n] = result.indices.to(torch.int32)
+        self.req_pool.write((req.req_pool_idx, slice(0, n)), result.indices.to(torch.int32))
         req.prefix_len = n
         req.last_node = result.last_node
 

@@ -1,11 +1,21 @@
 """The continuous-batching scheduler: one ``step()`` runs one prefill or one decode batch.
 
-Each step: drop aborted requests, plan a prefill batch (policy order, KV and token budgets,
-chunked prefill); if there is none, decode the running requests, retracting the newest ones when
-KV runs out (they re-queue and later re-prefill, reusing their cached KV). After the forward, the
-sampler picks the next tokens, finished requests hand their KV to the prefix cache, and per-request
-output deltas are returned. The scheduler is single-threaded: the engine or the scheduler process
-calls ``add_request``/``abort``/``step`` from one thread.
+Each step: plan a prefill batch (policy order, KV and token budgets, chunked prefill); if there is
+none, decode the running requests, retracting the newest ones when KV runs out (they re-queue and
+later re-prefill, reusing their cached KV). After the forward, the sampler picks the next tokens,
+finished requests hand their KV to the prefix cache, and per-request output deltas are returned.
+The scheduler is single-threaded: the engine or the scheduler process calls
+``add_request``/``abort``/``step`` from one thread.
+
+Public API, for the loops (``framework.scheduler.loops``, ``overlap``) and the PD sides
+(``framework.scheduler.pd``), which touch nothing else:
+
+- state: ``waiting``, ``running``, ``chunked``, ``requests``, ``kv`` (the :class:`KVManager`),
+  ``runner``, ``settings``, ``cfg``, ``context_len``, ``tokenizer``, ``hook``, ``pd``;
+- batches: ``plan_prefill``, ``run_prefill``, ``run_decode``, ``batch_stats``,
+  ``decay_new_token_ratio``;
+- sampling: ``sampling_inputs``, ``sample_tensors``, ``sample``, ``apply_samples``;
+- request life: ``add_request`` (admit), ``start_decoding``, ``emit``, ``finish``, ``abort``.
 """
 
 from __future__ import annotations
@@ -18,15 +28,18 @@ from typing import Any
 import torch
 
 from framework.config.schema import PlugserveConfig
-from framework.engine.model_runner import ModelRunner
+from framework.errors import ConfigError
+from framework.executor.model_runner import ModelRunner
 from framework.plugins import get_plugins
 from framework.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
-from framework.scheduler.batch_builder import LogitsPlan, build_decode, build_extend
+from framework.scheduler.batch_builder import LogitsPlan, build_decode, build_extend, record_prompt_logprobs
 from framework.scheduler.finish import check_finished
 from framework.scheduler.kv_manager import KVManager
-from framework.scheduler.outputs import RequestOutput
-from framework.scheduler.overlap import OverlapDecodeMixin
-from framework.scheduler.prefill_planner import PrefillPlanner
+from framework.scheduler.loops import StepLoop, SyncLoop
+from framework.scheduler.outputs import RequestOutput, delta_of
+from framework.scheduler.overlap import OverlapLoop
+from framework.scheduler.pd import PDSideFactory
+from framework.scheduler.prefill_planner import PrefillPlan, PrefillPlanner
 from framework.scheduler.request import FinishReason, Req
 from framework.scheduler.stats import BatchStats, RequestStats
 
@@ -46,10 +59,13 @@ class AdmissionError(ValueError):
     """A request that can never run (too long, bad parameters): the client gets a 400."""
 
 
-class Scheduler(OverlapDecodeMixin):
-    """Owns the waiting queue, the running batch and the model runner."""
+class Scheduler:
+    """Owns the waiting queue, the running batch and the model runner (public API: see the
+    module docstring). ``pd_side`` builds the PD half for ``disaggregation.mode`` (the
+    ``Engine`` and the server pass ``framework.disaggregation.make_pd_side``)."""
 
-    def __init__(self, settings: PlugserveConfig, runner: ModelRunner | None = None, tokenizer: Any = None):
+    def __init__(self, settings: PlugserveConfig, runner: ModelRunner | None = None, tokenizer: Any = None,
+                 pd_side: PDSideFactory | None = None):
         self.settings = settings
         self.cfg = settings.scheduler
         self.runner = runner or ModelRunner(settings)
@@ -76,10 +92,11 @@ class Scheduler(OverlapDecodeMixin):
         self.cache_hit_tokens = 0
         self.prompt_tokens_seen = 0
         self._pending: list[RequestOutput] = []
-        self._init_overlap(self.cfg.overlap)
-        from framework.disaggregation.common import make_pd_side
-
-        self.pd = make_pd_side(self)  # None in unified mode; else the prefill or decode half
+        self.loop: StepLoop = OverlapLoop(self) if self.cfg.overlap else SyncLoop(self)
+        self.pd = pd_side(self) if pd_side is not None else None  # None in unified mode
+        if settings.disaggregation.mode is not None and self.pd is None:
+            raise ConfigError("disaggregation.mode is set but this scheduler was built without a PD side "
+                              "(pass pd_side=framework.disaggregation.make_pd_side)")
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -119,7 +136,7 @@ class Scheduler(OverlapDecodeMixin):
             # Nothing to compute: it finishes at once, without a forward or any KV.
             self.requests[req.rid] = req
             req.finished_reason = FinishReason("length")
-            self._finish(req)
+            self.finish(req)
             return
         # PD: checks the bootstrap fields (may raise); the decode side queues the request itself
         queued_by_pd = self.pd is not None and self.pd.admit(req)
@@ -142,12 +159,12 @@ class Scheduler(OverlapDecodeMixin):
         if req in self.running:
             self.running.remove(req)
         req.finished_reason = FinishReason("abort", message=message or "aborted")
-        self._finish(req, error=message)
+        self.finish(req, error=message)
         return True
 
     def has_work(self) -> bool:
         pd_work = self.pd is not None and self.pd.has_work()
-        return bool(self.waiting or self.running or self.chunked or self._pending or self._inflight or pd_work)
+        return bool(self.waiting or self.running or self.chunked or self._pending or self.loop.has_work() or pd_work)
 
     def num_running(self) -> int:
         return len(self.running) + (1 if self.chunked else 0)
@@ -156,19 +173,23 @@ class Scheduler(OverlapDecodeMixin):
 
     def step(self) -> list[RequestOutput]:
         """Run one batch (prefill if any can be formed, else decode); return output deltas."""
-        if self._executor is not None:
-            self._step_overlap()
-        else:
-            if self.pd is not None:
-                self.pd.step()
-            plan = self.planner.plan(self.waiting, self.running, self.chunked, self.new_token_ratio)
-            ran_prefill = bool(plan.reqs) and self._run_prefill(plan.reqs, plan.chunked)
-            if not ran_prefill and self.running:
-                self._run_decode()
+        self.loop.step()
         out, self._pending = self._pending, []
         return out
 
-    def _run_prefill(self, reqs: list[Req], chunked: Req | None) -> bool:
+    def close(self) -> None:
+        """Stop the loop's worker (overlap) and the PD side's transfer backend."""
+        self.loop.close()
+        if self.pd is not None:
+            self.pd.close()
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def plan_prefill(self) -> PrefillPlan:
+        """The next prefill batch the waiting queue and the chunked request allow (maybe empty)."""
+        return self.planner.plan(self.waiting, self.running, self.chunked, self.new_token_ratio)
+
+    def run_prefill(self, reqs: list[Req], chunked: Req | None) -> bool:
         """Prefill ``reqs``; False if not even one of them could get KV (decode runs instead)."""
         for r in reqs:
             if r in self.waiting:
@@ -189,7 +210,7 @@ class Scheduler(OverlapDecodeMixin):
             return False
         self.chunked = chunked
         batch, plan = build_extend(reqs, slots, self.runner)
-        stats = self._stats("prefill", reqs, batch.num_tokens)
+        stats = self.batch_stats("prefill", reqs, batch.num_tokens)
         self.hook.on_batch_scheduled(batch=stats)
         start = time.perf_counter()
         logits = self.runner.forward(batch)
@@ -198,12 +219,10 @@ class Scheduler(OverlapDecodeMixin):
             if r is not chunked:
                 r.extend_len = 0
             self.kv.cache_prefix(r)  # later arrivals can share this prompt while it still runs
-        self._record_prompt_logprobs(reqs, logits, plan)
+        record_prompt_logprobs(reqs, logits, plan)
         sample_reqs, sample_rows = self._finish_scoring_only(plan)
-        if sample_reqs and self.pd is not None and hasattr(self.pd, "on_prefilled"):
-            self.pd.on_prefilled(sample_reqs, logits[sample_rows])  # PD: KV goes to decode
-        elif sample_reqs:
-            self._sample(sample_reqs, logits[sample_rows])
+        if sample_reqs and not (self.pd is not None and self.pd.on_prefilled(sample_reqs, logits[sample_rows])):
+            self.apply_samples(sample_reqs, self.sample(sample_reqs, logits[sample_rows]))
             self.running.extend(r for r in sample_reqs if not r.finished)
         self.hook.on_batch_finished(batch=stats, elapsed_s=time.perf_counter() - start)
         return True
@@ -220,10 +239,11 @@ class Scheduler(OverlapDecodeMixin):
                 rows.append(row)
             else:
                 r.finished_reason = FinishReason("length")
-                self._finish(r)
+                self.finish(r)
         return reqs, rows
 
-    def _run_decode(self) -> None:
+    def run_decode(self) -> None:
+        """One decode step of the running batch (retracting the newest requests if KV is short)."""
         self._make_room_for_decode()
         reqs = self.running
         if not reqs:
@@ -232,16 +252,21 @@ class Scheduler(OverlapDecodeMixin):
         if slots is None:  # cannot happen after _make_room_for_decode; fail loudly if it does
             raise RuntimeError("KV allocation failed after retraction")
         batch = build_decode(reqs, slots, self.runner)
-        stats = self._stats("decode", reqs, len(reqs))
+        stats = self.batch_stats("decode", reqs, len(reqs))
         self.hook.on_batch_scheduled(batch=stats)
         start = time.perf_counter()
         logits = self.runner.forward(batch)
         for r in reqs:
             r.kv_len += 1
-        self._sample(list(reqs), logits)
+        self.apply_samples(list(reqs), self.sample(list(reqs), logits))
         self.running = [r for r in self.running if not r.finished]
-        self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_step)
+        self.decay_new_token_ratio()
         self.hook.on_batch_finished(batch=stats, elapsed_s=time.perf_counter() - start)
+
+    def decay_new_token_ratio(self) -> None:
+        """One decode step ran without retraction: assume a little less of each request's
+        remaining ``max_new_tokens`` when admitting prefills (SGLang's scheme)."""
+        self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_step)
 
     def _make_room_for_decode(self) -> None:
         """Retract the newest requests until this step fits in KV; after a retraction, also keep
@@ -259,7 +284,7 @@ class Scheduler(OverlapDecodeMixin):
             if len(self.running) == 1:
                 req = self.running.pop()
                 req.finished_reason = FinishReason("abort", message="KV cache too small for this request")
-                self._finish(req, error=req.finished_reason.message)
+                self.finish(req, error=req.finished_reason.message)
                 break
             victim = max(self.running, key=lambda r: r.arrival_time)
             self.running.remove(victim)
@@ -274,10 +299,11 @@ class Scheduler(OverlapDecodeMixin):
 
     # -- sampling and results --------------------------------------------------------------
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        self._apply_samples(reqs, self._sample_tensors(logits, self._sampling_inputs(reqs)))
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
+        """The next token (and logprobs) of each request from its logits row; nothing applied."""
+        return self.sample_tensors(logits, self.sampling_inputs(reqs))
 
-    def _sampling_inputs(self, reqs: list[Req], pending_one: list[bool] | None = None) -> SamplingInputs:
+    def sampling_inputs(self, reqs: list[Req], pending_one: list[bool] | None = None) -> SamplingInputs:
         """Everything sampling needs, built on the scheduler thread. ``pending_one[i]``: request i
         has one token in flight not yet in ``output_ids`` (overlap mode, which has no penalties:
         only the output length matters then, for seeds and min_new_tokens)."""
@@ -290,20 +316,20 @@ class Scheduler(OverlapDecodeMixin):
         top_nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
         return SamplingInputs(info, top_nums if any(top_nums) else None, any(r.return_logprob for r in reqs))
 
-    def _sample_tensors(self, logits: torch.Tensor, inputs: SamplingInputs) -> SampleOutput:
+    def sample_tensors(self, logits: torch.Tensor, inputs: SamplingInputs) -> SampleOutput:
         """The sampling computation alone (safe to run on the overlap worker thread)."""
         return self.sampler.sample(
             logits, inputs.info, inputs.top_nums, return_logprobs=inputs.want_logprobs
         )
 
-    def _apply_samples(self, reqs: list[Req], out: SampleOutput, skip: set[str] | frozenset = frozenset()) -> None:
-        """Append sampled tokens, check stop conditions, emit deltas (requests in ``skip`` had
-        already finished: their token is dropped)."""
+    def apply_samples(self, reqs: list[Req], out: SampleOutput) -> None:
+        """Append sampled tokens, check stop conditions, emit deltas (a request that already
+        finished drops its token: overlap mode sampled it before anyone knew)."""
         next_ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         now = time.monotonic()
         for i, r in enumerate(reqs):
-            if r.rid in skip or r.finished:
+            if r.finished:
                 continue
             r.output_ids.append(next_ids[i])
             if r.first_token_time is None:
@@ -315,51 +341,31 @@ class Scheduler(OverlapDecodeMixin):
             reason = check_finished(r, self.context_len, self.tokenizer)
             if reason is not None:
                 r.finished_reason = reason
-                self._finish(r)
+                self.finish(r)
             elif len(r.output_ids) - r.sent_len >= self.cfg.stream_interval:
-                self._pending.append(self._delta(r))
+                self.emit(r)
 
-    def _record_prompt_logprobs(self, reqs: list[Req], logits: torch.Tensor, plan: LogitsPlan) -> None:
-        if not plan.prompt_rows:
-            return
-        by_rid = {r.rid: r for r in reqs}
-        for rid, (row, n, first_pos) in plan.prompt_rows.items():
-            r = by_rid[rid]
-            logp = torch.log_softmax(logits[row : row + n], dim=-1)
-            targets = torch.tensor(r.input_ids[first_pos + 1 : first_pos + 1 + n], device=logp.device)
-            r.input_logprobs.extend(logp.gather(1, targets[:, None]).squeeze(1).tolist())
-            if r.top_logprobs_num:
-                vals, ids = logp.topk(r.top_logprobs_num, dim=-1)
-                r.input_top_logprobs.extend(
-                    [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
-                )
+    def start_decoding(self, req: Req) -> None:
+        """A request whose first token came from elsewhere (PD decode: the prefill server) joins
+        the running batch, or finishes at once if that token ends it."""
+        reason = check_finished(req, self.context_len, self.tokenizer)
+        if reason is not None:
+            req.finished_reason = reason
+            self.finish(req)
+        else:
+            self.running.append(req)
+            self.emit(req)
 
-    def _delta(self, r: Req) -> RequestOutput:
-        start = r.sent_len
-        out = RequestOutput(
-            rid=r.rid,
-            new_token_ids=r.output_ids[start:],
-            prompt_tokens=len(r.input_ids),
-            completion_tokens=len(r.output_ids),
-            cached_tokens=r.cached_tokens,
-            finished=r.finished,
-            finish_reason=r.finished_reason.to_dict() if r.finished_reason else None,
-        )
-        if r.return_logprob:
-            out.new_logprobs = r.output_logprobs[start:]
-            if r.top_logprobs_num:
-                out.new_top_logprobs = r.output_top_logprobs[start:]
-            if r.sent_input_logprobs == 0 and r.input_logprobs:
-                out.input_logprobs = list(r.input_logprobs)
-                out.input_top_logprobs = list(r.input_top_logprobs) if r.top_logprobs_num else None
-                r.sent_input_logprobs = len(r.input_logprobs)
-        r.sent_len = len(r.output_ids)
-        return out
+    def emit(self, req: Req) -> None:
+        """Report the request's progress since its last report (returned by the next ``step``)."""
+        self._pending.append(delta_of(req))
 
-    def _finish(self, req: Req, error: str | None = None) -> None:
-        self._release_or_defer(req)
+    def finish(self, req: Req, error: str | None = None) -> None:
+        """The request is done (``finished_reason`` set): release its KV (now, or once no forward
+        in flight reads it), forget it, report its last delta and tell the hooks."""
+        self.loop.release(req)
         self.requests.pop(req.rid, None)
-        delta = self._delta(req)
+        delta = delta_of(req)
         delta.error = error
         self._pending.append(delta)
         self.cache_hit_tokens += req.cached_tokens
@@ -378,7 +384,8 @@ class Scheduler(OverlapDecodeMixin):
 
     # -- introspection ---------------------------------------------------------------------
 
-    def _stats(self, mode: str, reqs: list[Req], new_tokens: int) -> BatchStats:
+    def batch_stats(self, mode: str, reqs: list[Req], new_tokens: int) -> BatchStats:
+        """What the batch hooks receive about a batch of ``reqs``."""
         return BatchStats(
             mode=mode,
             num_requests=len(reqs),
@@ -391,7 +398,7 @@ class Scheduler(OverlapDecodeMixin):
         )
 
     def leak_report(self) -> dict[str, int]:
-        holders = self.running + ([self.chunked] if self.chunked else []) + self._deferred_release
+        holders = self.running + ([self.chunked] if self.chunked else []) + self.loop.holders()
         if self.pd is not None:
             holders = holders + self.pd.holders()
         return self.kv.leak_report(self.kv.held_by(holders))

@@ -184,8 +184,9 @@ def _build(config_path: str) -> tuple[Any, Any, list[int], dict[str, Any]]:
     from transformers import AutoTokenizer
 
     from framework.config.loader import resolve_config, to_settings
+    from framework.disaggregation.factory import make_pd_side
     from framework.engine.engine import eos_token_ids
-    from framework.engine.model_runner import ModelRunner
+    from framework.executor.model_runner import ModelRunner
     from framework.models.loader import load_generation_config
     from framework.plugins import get_plugins
     from framework.scheduler.scheduler import Scheduler
@@ -196,7 +197,7 @@ def _build(config_path: str) -> tuple[Any, Any, list[int], dict[str, Any]]:
     model_cfg = settings.model
     tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path)
     runner = ModelRunner(settings, progress=False)
-    scheduler = Scheduler(settings, runner, tokenizer)
+    scheduler = Scheduler(settings, runner, tokenizer, pd_side=make_pd_side)
     eos = eos_token_ids(load_generation_config(model_cfg.path), tokenizer)
     info = {**runner.describe(), "context_length": scheduler.context_len,
             "max_running_requests": scheduler.max_running, "scheduler_pid": os.getpid(),

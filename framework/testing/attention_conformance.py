@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.attention.base import Attention, AttentionBackend
-from framework.engine.forward_batch import ForwardBatch, ForwardMode
+from framework.executor.forward_batch import ForwardBatch, ForwardMode
 from framework.memory.kv_cache import KVCache
 
 SCENARIOS = ("extend", "prefix", "decode")

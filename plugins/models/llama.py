@@ -23,7 +23,7 @@ from framework.models.cpu_linear import linear_add
 from framework.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_qkv, get_rope
 
 if TYPE_CHECKING:
-    from framework.engine.forward_batch import ForwardBatch
+    from framework.executor.forward_batch import ForwardBatch
 
 
 def config_head_dim(config: Any) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.engine.forward_batch import ForwardBatch, ForwardMode
+from framework.executor.forward_batch import ForwardBatch, ForwardMode
 from framework.memory.kv_cache import KVCache
 
 

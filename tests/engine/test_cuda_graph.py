@@ -20,17 +20,18 @@ import torch
 
 from framework.assets import asset_path
 from framework.attention.base import Attention, AttentionBackend
+from framework.config.auto import resolve_cuda_graph_enabled
 from framework.config.loader import resolve_config, to_settings
-from framework.engine.cuda_graph_runner import (
+from framework.errors import ConfigError
+from framework.executor.cuda_graph_runner import (
     DecodeGraphInputs,
     bucket_for,
     capture_batch_sizes,
     default_batch_sizes,
     padded_seq_lens,
-    resolve_cuda_graph_enabled,
 )
-from framework.engine.forward_batch import ForwardBatch, ForwardMode
-from framework.errors import ConfigError
+from framework.executor.forward_batch import ForwardBatch, ForwardMode
+from framework.registry import Capabilities
 from plugins.attention.torch_native.backend import TorchNativeAttnBackend, TorchNativeOptions
 from tests.engine.harness import MiniRunner
 
@@ -145,7 +146,7 @@ def test_bad_values_are_rejected(override: str, key: str) -> None:
 
 @pytest.mark.parametrize("name", ["torch_native", "triton", "flashinfer"])
 def test_builtin_backends_report_support(plugins, name: str) -> None:
-    assert plugins.registry.get("attention_backend", name).factory.supports_cuda_graph is True
+    assert plugins.registry.get("attention_backend", name).capabilities.cuda_graph is True
 
 
 def test_base_backend_refuses_graphs_by_name() -> None:
@@ -156,7 +157,7 @@ def test_base_backend_refuses_graphs_by_name() -> None:
         forward_extend = forward_decode = None  # type: ignore[assignment]
 
     backend = NoGraphs()
-    assert NoGraphs.supports_cuda_graph is False
+    assert Capabilities().cuda_graph is False  # a backend registered without declaring it
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
     for call in (
         lambda: backend.init_cuda_graph_state(4, 16),
@@ -168,7 +169,7 @@ def test_base_backend_refuses_graphs_by_name() -> None:
 
 
 def test_model_runner_on_cpu_has_no_graph_runner(tmp_path: Path) -> None:
-    from framework.engine.model_runner import ModelRunner
+    from framework.executor.model_runner import ModelRunner
     from framework.testing.tiny_models import save_tiny_model
 
     path = save_tiny_model(tmp_path / "m")
@@ -320,7 +321,7 @@ def test_engine_with_simulated_graphs_matches_eager_on_cpu() -> None:
     """The runner end to end on CPU (buckets, padding, replay, eager fallback, model runner hook,
     scheduler), with the graph simulated: greedy outputs equal eager ones."""
     from framework import Engine
-    from framework.engine.cuda_graph_runner import CudaGraphRunner
+    from framework.executor.cuda_graph_runner import CudaGraphRunner
 
     overrides = [f"model.path={asset_path('tiny-shakespeare')}", "device.device=cpu", "kv_cache.max_total_tokens=2048",
                  "kv_cache.page_size=16", "attention.backend=torch_native"]  # fmt: skip

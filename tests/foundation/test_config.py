@@ -116,28 +116,40 @@ def test_unknown_model_architecture_fails_at_config_time(tmp_path: Path):
         resolve_config(None, [f"model.path={tmp_path}", "model.architecture=Llama"])
 
 
-def test_auto_backend_skips_backends_that_cannot_run_here(register_plugin):
-    from framework.config.loader import _backend_usable
-    from framework.hookspecs import hookimpl
-
-    class Usable:
-        @staticmethod
-        def unavailable_reason():
-            return None
-
-    class Unusable:
-        @staticmethod
-        def unavailable_reason():
-            return "needs hardware this machine lacks"
+def test_auto_backend_skips_backends_that_cannot_run_here(register_plugin, plugins):
+    from framework.hookspecs import Capabilities, hookimpl
 
     class Backends:
         @hookimpl
         def register_attention_backends(self, register):
-            register("fake_usable", Usable)
-            register("fake_unusable", Unusable)
+            # Both outrank every built-in on CPU; only the one that can run here is picked.
+            register("fake_usable", object, capabilities=Capabilities(auto_priority={"cpu": 90}))
+            register("fake_unusable", object, capabilities=Capabilities(
+                auto_priority={"cpu": 99}, unavailable_reason=lambda: "needs hardware this machine lacks"))
 
     register_plugin(Backends(), "fake-backends")
-    assert _backend_usable("fake_usable")
-    assert not _backend_usable("fake_unusable")
-    assert not _backend_usable("not_registered")
-    assert not _backend_usable("flashinfer")  # registered, but there is no CUDA device here
+    assert plugins.registry.auto_choice("attention_backend", "cpu") == "fake_usable"
+    cfg = resolve_config(None, [*MODEL, "device.device=cpu"], validate_components=False)
+    assert cfg.attention.backend == "fake_usable"
+    # flashinfer is registered but cannot run without a CUDA device: auto on cuda skips it too.
+    assert plugins.registry.auto_choice("attention_backend", "cuda") != "flashinfer"
+
+
+def test_auto_choices_come_from_declared_capabilities(plugins):
+    registry = plugins.registry
+    assert registry.auto_choice("attention_backend", "cpu") in ("cpu_paged", "torch_native")
+    assert registry.auto_choice("memory_pool", "cpu") == "standard"
+    assert registry.auto_choice("memory_pool", "cpu", lambda c: c.capabilities.preallocation) == "decode_prealloc"
+    decode = resolve_config(None, [*MODEL, "disaggregation.mode=decode", "disaggregation.transfer_backend=nccl"])
+    assert decode.memory_pool.name == "decode_prealloc"
+
+
+def test_capability_conflicts_fail_at_config_time():
+    with pytest.raises(ConfigError, match=r"attention\.backend: attention backend 'flashinfer' runs on cuda, not on cpu"):
+        resolve_config(None, [*MODEL, "device.device=cpu", "attention.backend=flashinfer"])
+    with pytest.raises(ConfigError, match=r"memory_pool\.name: disaggregation\.mode=decode needs a pool .*decode_prealloc"):
+        resolve_config(None, [*MODEL, "disaggregation.mode=decode", "disaggregation.transfer_backend=nccl",
+                              "memory_pool.name=standard"])
+    with pytest.raises(ConfigError, match=r"scheduler\.overlap: .*disaggregation\.mode"):
+        resolve_config(None, [*MODEL, "disaggregation.mode=prefill", "scheduler.overlap=true"],
+                       validate_components=False)

@@ -40,7 +40,7 @@ from plugins.attention.cpu_paged.kernel import (
 from plugins.attention.torch_native.backend import TorchNativeAttnBackend, TorchNativeOptions, extend_lengths
 
 if TYPE_CHECKING:
-    from framework.engine.forward_batch import ForwardBatch
+    from framework.executor.forward_batch import ForwardBatch
 
 
 @dataclass
@@ -93,8 +93,6 @@ class _ExtendMeta:
 class CpuPagedAttnBackend(TorchNativeAttnBackend):
     """``torch_native`` with C decode and extend kernels over the paged KV cache (CPU; fp32 math)."""
 
-    #: CPU only: there is nothing to capture (overrides what it inherits from torch_native).
-    supports_cuda_graph = False
 
     @staticmethod
     def unavailable_reason() -> str | None:

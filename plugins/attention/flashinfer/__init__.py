@@ -6,7 +6,7 @@ selecting it without CUDA or without the ``flashinfer`` package fails at start w
 
 from __future__ import annotations
 
-from framework.hookspecs import Register, hookimpl
+from framework.hookspecs import Capabilities, Register, hookimpl
 from plugins.attention.flashinfer.backend import FlashInferAttnBackend, FlashInferOptions
 
 __all__ = ["FlashInferAttnBackend", "FlashInferOptions", "register_attention_backends"]
@@ -15,4 +15,6 @@ __all__ = ["FlashInferAttnBackend", "FlashInferOptions", "register_attention_bac
 @hookimpl
 def register_attention_backends(register: Register) -> None:
     """Register ``flashinfer``; its factory is the backend class, ``(runner, options) -> backend``."""
-    register("flashinfer", FlashInferAttnBackend, config=FlashInferOptions)
+    register("flashinfer", FlashInferAttnBackend, config=FlashInferOptions, capabilities=Capabilities(
+        devices=("cuda",), auto_priority={"cuda": 30}, cuda_graph=True,
+        unavailable_reason=FlashInferAttnBackend.unavailable_reason))

@@ -21,7 +21,7 @@ from framework.attention.base import Attention, AttentionBackend
 from framework.errors import ConfigError
 
 if TYPE_CHECKING:
-    from framework.engine.forward_batch import ForwardBatch
+    from framework.executor.forward_batch import ForwardBatch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -105,7 +105,6 @@ class FlashInferAttnBackend(AttentionBackend):
     must share one attention shape (one plan per forward).
     """
 
-    supports_cuda_graph = True
 
     def __init__(self, runner: Any, options: FlashInferOptions | None = None) -> None:
         self.device = torch.device(runner.device)

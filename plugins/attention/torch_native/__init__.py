@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from framework.hookspecs import Register, hookimpl
+from framework.hookspecs import Capabilities, Register, hookimpl
 from plugins.attention.torch_native.backend import TorchNativeAttnBackend, TorchNativeOptions
 
 __all__ = ["TorchNativeAttnBackend", "TorchNativeOptions", "register_attention_backends"]
@@ -11,4 +11,6 @@ __all__ = ["TorchNativeAttnBackend", "TorchNativeOptions", "register_attention_b
 @hookimpl
 def register_attention_backends(register: Register) -> None:
     """Register ``torch_native``; its factory is the backend class, ``(runner, options) -> backend``."""
-    register("torch_native", TorchNativeAttnBackend, config=TorchNativeOptions)
+    # The reference: runs anywhere, chosen by auto only when nothing faster can run.
+    register("torch_native", TorchNativeAttnBackend, config=TorchNativeOptions, capabilities=Capabilities(
+        auto_priority={"cpu": 10, "cuda": 10}, cuda_graph=True))

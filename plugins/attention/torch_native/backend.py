@@ -18,7 +18,7 @@ from framework.attention.base import Attention, AttentionBackend
 from framework.errors import ConfigError
 
 if TYPE_CHECKING:
-    from framework.engine.forward_batch import ForwardBatch
+    from framework.executor.forward_batch import ForwardBatch
 
 # ``enable_gqa`` arrived in torch 2.5; the project allows torch 2.4, which needs repeated kv heads.
 _SDPA_HAS_GQA = torch.__version__ >= "2.5"
@@ -117,7 +117,6 @@ class TorchNativeAttnBackend(AttentionBackend):
     the eager path's grouping by actual lengths is data-dependent and cannot be captured.
     """
 
-    supports_cuda_graph = True
 
     def __init__(self, runner: Any, options: TorchNativeOptions | None = None) -> None:
         # Of the runner only the device is needed: the cache and the request table come with each

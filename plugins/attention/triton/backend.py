@@ -18,7 +18,7 @@ from framework.attention.base import Attention, AttentionBackend
 from framework.errors import ConfigError
 
 if TYPE_CHECKING:
-    from framework.engine.forward_batch import ForwardBatch
+    from framework.executor.forward_batch import ForwardBatch
 
 
 @dataclass
@@ -71,7 +71,6 @@ class TritonAttnBackend(AttentionBackend):
     nothing but static length buffers, refreshed in place before a replay.
     """
 
-    supports_cuda_graph = True
 
     def __init__(self, runner: Any, options: TritonOptions | None = None) -> None:
         self.device = torch.device(runner.device)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from framework.memory.request_pool import TableRequestPool
+from framework.memory.request_pool import PreallocatingRequestPool, TableRequestPool
 
 
 @dataclass
@@ -44,7 +44,7 @@ def resolve_pre_alloc_size(size: int, options: DecodePreallocOptions) -> int:
     return int(size * options.pre_alloc_ratio)
 
 
-class DecodePreallocRequestPool(TableRequestPool):
+class DecodePreallocRequestPool(TableRequestPool, PreallocatingRequestPool):
     """``size`` running rows plus ``pre_alloc_size`` rows for requests whose KV is in flight."""
 
     def __init__(
@@ -67,18 +67,10 @@ class DecodePreallocRequestPool(TableRequestPool):
         options = options or DecodePreallocOptions()
         return cls(size, max_context_len, device, resolve_pre_alloc_size(size, options))
 
-    def alloc(self, n: int = 1) -> list[int] | None:
-        """Reserve rows (running or pre-allocated alike); ``None`` if fewer than ``n`` are free."""
-        return super().alloc(n)
-
     def free(self, slots: int | Iterable[int]) -> None:
         rows = [slots] if isinstance(slots, int) else list(slots)
         super().free(rows)
         self._running.difference_update(rows)
-
-    def clear(self) -> None:
-        super().clear()
-        self._running.clear()
 
     # -- the running cap ------------------------------------------------------------------
 

@@ -16,9 +16,9 @@ import torch
 
 from framework.config.loader import validate_options
 from framework.config.schema import PlugserveConfig
-from framework.engine.cuda_graph_runner import CudaGraphRunner, maybe_create_cuda_graph_runner
-from framework.engine.forward_batch import ForwardBatch
 from framework.errors import ConfigError
+from framework.executor.cuda_graph_runner import CudaGraphRunner, maybe_create_cuda_graph_runner
+from framework.executor.forward_batch import ForwardBatch
 from framework.memory.kv_allocator import PagedKVAllocator
 from framework.memory.kv_cache import KVCache
 from framework.models.cpu_linear import onednn_linear_available, pack_linear_layers, packable_dtypes

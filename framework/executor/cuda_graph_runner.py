@@ -35,8 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from framework.engine.forward_batch import ForwardBatch, ForwardMode
+from framework.config.auto import resolve_cuda_graph_enabled
 from framework.errors import ConfigError
+from framework.executor.forward_batch import ForwardBatch, ForwardMode
+from framework.plugins import get_registry
 
 if TYPE_CHECKING:
     from framework.attention.base import AttentionBackend
@@ -51,31 +53,6 @@ PADDING_REQ_ROW = 0
 
 
 # --- pure helpers (no CUDA needed) ----------------------------------------------------------------
-
-
-def resolve_cuda_graph_enabled(
-    enabled: bool | None, device_type: str, backend_name: str, backend_supports: bool
-) -> bool:
-    """``cuda_graph.enabled`` as it will run: ``None`` (auto) means on exactly when the device is
-    CUDA and the backend supports graphs; an explicit ``True`` that cannot be honoured is a
-    :class:`ConfigError` naming the key rather than a silent eager fallback."""
-    if enabled is False:
-        return False
-    if device_type != "cuda":
-        if enabled:
-            raise ConfigError(
-                f"cuda_graph.enabled: CUDA graphs need a CUDA device, but device.device is {device_type!r}; "
-                "set cuda_graph.enabled=false (or leave it null for auto)"
-            )
-        return False
-    if not backend_supports:
-        if enabled:
-            raise ConfigError(
-                f"cuda_graph.enabled: attention backend {backend_name!r} does not support CUDA graphs; "
-                "set cuda_graph.enabled=false (or null for auto) or choose attention.backend=flashinfer or triton"
-            )
-        return False
-    return True
 
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
@@ -220,7 +197,7 @@ class CudaGraphOps:
 class CudaGraphRunner:
     """Captures the decode forward of ``runner`` once per bucket and replays it.
 
-    ``runner`` is the :class:`framework.engine.model_runner.ModelRunner` (its model, KV cache,
+    ``runner`` is the :class:`framework.executor.model_runner.ModelRunner` (its model, KV cache,
     request table and attention backend). Construction captures every bucket.
     """
 
@@ -316,10 +293,9 @@ def maybe_create_cuda_graph_runner(runner: Any, config: CudaGraphConfig) -> Cuda
     ``config.enabled`` is normally resolved by the config loader already; ``None`` (settings
     built by hand) is resolved here against the instantiated backend.
     """
-    backend = runner.attn_backend
-    enabled = resolve_cuda_graph_enabled(
-        config.enabled, runner.device.type, runner.settings.attention.backend, bool(backend.supports_cuda_graph)
-    )
+    name = runner.settings.attention.backend
+    supports = get_registry().get("attention_backend", name, key="attention.backend").capabilities.cuda_graph
+    enabled = resolve_cuda_graph_enabled(config.enabled, runner.device.type, name, supports)
     if not enabled:
         return None
     sizes = capture_batch_sizes(config.batch_sizes, config.max_batch_size, runner.plan.max_running_requests)

@@ -1,0 +1,123 @@
+"""``auto`` settings resolved to what will really run, and the checks that span sections.
+
+Every choice comes from what components declared when they registered
+(:class:`~framework.registry.Capabilities`): the devices they run on, their priority under
+``auto``, CUDA-graph support, row pre-allocation. No built-in is named here, so a third-party
+backend or pool takes part on equal terms. All of this runs at config resolution, before any
+weight is loaded, so a combination that cannot work fails in a second, naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from framework.config.schema import Device
+from framework.errors import ConfigError
+
+AUTO_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 1024}
+"""``scheduler.max_prefill_tokens: null`` per device (see the schema's docstring for why CPU differs)."""
+
+#: (name key, registry kind) of the components whose declared devices are checked.
+DEVICE_CHECKED = (("attention.backend", "attention_backend"), ("memory_pool.name", "memory_pool"))
+
+
+def _mode(cfg: DictConfig) -> str | None:
+    return None if cfg.disaggregation.mode is None else cfg.disaggregation.mode.value
+
+
+def resolve_auto(cfg: DictConfig) -> None:
+    """Replace ``auto`` device, attention backend, memory pool, prefill budget and CUDA-graph
+    switch by what will really run."""
+    import torch
+
+    from framework.plugins import get_registry
+
+    registry = get_registry()
+    if cfg.device.device.value == "auto":
+        cfg.device.device = Device.cuda if torch.cuda.is_available() else Device.cpu
+    device = cfg.device.device.value
+    if cfg.scheduler.max_prefill_tokens is None:
+        cfg.scheduler.max_prefill_tokens = AUTO_MAX_PREFILL_TOKENS[device]
+    if cfg.attention.backend == "auto":
+        cfg.attention.backend = _auto(registry, "attention_backend", device, "attention.backend")
+    if cfg.memory_pool.name == "auto":
+        # A PD decode server reserves rows for requests whose KV is still in flight.
+        needs = (lambda c: c.capabilities.preallocation) if _mode(cfg) == "decode" else (lambda c: True)
+        cfg.memory_pool.name = _auto(registry, "memory_pool", device, "memory_pool.name", needs)
+    supports = None
+    if registry.has("attention_backend", cfg.attention.backend):
+        supports = registry.get("attention_backend", cfg.attention.backend).capabilities.cuda_graph
+    enabled = cfg.cuda_graph.enabled
+    if enabled is None and _mode(cfg) == "prefill":
+        enabled = False  # a prefill server never decodes: capturing would only cost start time and memory
+    # An unknown backend is reported by the component check; the device check still applies.
+    enabled = resolve_cuda_graph_enabled(enabled, device, cfg.attention.backend, supports is not False)
+    if supports is not None:
+        cfg.cuda_graph.enabled = enabled
+
+
+def _auto(registry: Any, kind: str, device: str, key: str, accept: Any = lambda c: True) -> str:
+    name = registry.auto_choice(kind, device, accept)
+    if name is None:
+        raise ConfigError(f"{key}: auto found no {kind.replace('_', ' ')} that can run on {device} here "
+                          f"(installed: {', '.join(registry.names(kind)) or 'none'}); name one explicitly")
+    return name
+
+
+def resolve_cuda_graph_enabled(enabled: bool | None, device_type: str, backend_name: str,
+                               backend_supports: bool) -> bool:
+    """``cuda_graph.enabled`` as it will run: ``None`` (auto) means on exactly when the device is
+    CUDA and the backend supports graphs; an explicit ``True`` that cannot be honoured is a
+    :class:`ConfigError` naming the key rather than a silent eager fallback."""
+    if enabled is False:
+        return False
+    if device_type != "cuda":
+        if enabled:
+            raise ConfigError(
+                f"cuda_graph.enabled: CUDA graphs need a CUDA device, but device.device is {device_type!r}; "
+                "set cuda_graph.enabled=false (or leave it null for auto)"
+            )
+        return False
+    if not backend_supports:
+        if enabled:
+            raise ConfigError(
+                f"cuda_graph.enabled: attention backend {backend_name!r} does not support CUDA graphs; "
+                "set cuda_graph.enabled=false (or null for auto) or choose a backend that does"
+            )
+        return False
+    return True
+
+
+def check_section_combinations(cfg: DictConfig) -> None:
+    """Combinations that no single key's check can see (no plugin needed)."""
+    if cfg.scheduler.overlap and _mode(cfg) is not None:
+        raise ConfigError("scheduler.overlap: the overlap loop is not supported with disaggregation.mode "
+                          f"{_mode(cfg)!r} yet; set scheduler.overlap=false")
+
+
+def check_component_capabilities(cfg: DictConfig, registry: Any) -> None:
+    """The selected components can do what this config asks of them (run on its device, pre-allocate
+    rows for a PD decode server)."""
+    device = cfg.device.device.value
+    for key, kind in DEVICE_CHECKED:
+        name = _select(cfg, key)
+        caps = registry.get(kind, name, key=key).capabilities
+        if device not in caps.devices:
+            raise ConfigError(f"{key}: {kind.replace('_', ' ')} {name!r} runs on {', '.join(caps.devices)}, "
+                              f"not on {device} (device.device)")
+    if _mode(cfg) == "decode":
+        pool = cfg.memory_pool.name
+        if not registry.get("memory_pool", pool, key="memory_pool.name").capabilities.preallocation:
+            with_it = [n for n in registry.names("memory_pool")
+                       if registry.get("memory_pool", n).capabilities.preallocation]
+            raise ConfigError(
+                f"memory_pool.name: disaggregation.mode=decode needs a pool that pre-allocates rows for requests "
+                f"whose KV is in flight, and {pool!r} does not (pools that do: {', '.join(with_it) or 'none'})")
+
+
+def _select(cfg: DictConfig, key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key)
