@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+import sys
 from typing import Any
 
 from framework.bench.datasets import add_dataset_args
@@ -39,7 +39,6 @@ def add_bench_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_one_batch)
 
     # Commands defined in their own modules (imports stay light: argparse only until run).
-    from framework.bench.compare import add_compare_command
     from framework.bench.pd import add_pd_command
     from framework.bench.plot import add_plot_command
     from framework.bench.serving import add_serve_command
@@ -47,30 +46,32 @@ def add_bench_commands(sub: Any) -> None:
 
     add_serve_command(bench_sub, output_args)
     add_plot_command(bench_sub)
-    add_compare_command(bench_sub, common)
     add_transfer_command(bench_sub, output_args)
     add_pd_command(bench_sub, common)
+    _add_entry_point_commands(bench_sub, common)
+
+
+BENCH_ENTRY_POINTS = "plugserve.bench"
+"""Entry-point group of bench commands kept outside the core (``bench compare``, from the
+``benchmarks`` package): each is ``add(bench_subparsers, common_model_args)``."""
+
+
+def _add_entry_point_commands(bench_sub: Any, common: Any) -> None:
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=BENCH_ENTRY_POINTS), key=lambda e: e.name):
+        try:
+            add = ep.load()
+        except Exception as exc:  # a broken optional command must not break the others
+            print(f"plugserve: bench command {ep.name!r} ({ep.value}) failed to load: {exc}", file=sys.stderr)
+            continue
+        add(bench_sub, common)
 
 
 def output_args(p: argparse.ArgumentParser) -> None:
     """--output and --tag, for commands that do not load a model themselves."""
     p.add_argument("--output", default=DEFAULT_RESULTS, help="JSONL file results are appended to")
     p.add_argument("--tag", default="", help="free-form label stored with the result")
-
-
-def _engine(args: argparse.Namespace):
-    from framework.bench.random_model import make_random_model
-    from framework.config.loader import resolve_config
-    from framework.engine.engine import Engine
-
-    overrides = list(args.overrides)
-    if args.random_model:
-        path = make_random_model(args.random_model, tempfile.gettempdir() + "/plugserve-bench-models")
-        overrides.insert(0, f"model.path={path}")
-    elif args.model_path:
-        overrides.insert(0, f"model.path={args.model_path}")
-    cfg = resolve_config(args.config, overrides)
-    return Engine(cfg, progress=False), cfg
 
 
 def _record(args: argparse.Namespace, kind: str, engine: Any, result: dict) -> int:
@@ -84,20 +85,11 @@ def _record(args: argparse.Namespace, kind: str, engine: Any, result: dict) -> i
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from framework.bench import datasets
-    from framework.bench.offline import run_offline, run_single_decode
+    from framework.bench.datasets import load_requests
+    from framework.bench.offline import engine_from_args, run_offline, run_single_decode
 
-    engine, _ = _engine(args)
-    vocab = engine.runner.vocab_size
-    if args.dataset == "random":
-        reqs = datasets.random_dataset(args.num_prompts, args.input_len, args.output_len, vocab, args.range_ratio)
-    elif args.dataset == "generated-shared-prefix":
-        reqs = datasets.shared_prefix_dataset(args.gsp_groups, args.gsp_prompts_per_group, args.gsp_system_len,
-                                              args.gsp_question_len, args.output_len, vocab)
-    else:
-        if not args.dataset_path:
-            raise SystemExit("--dataset jsonl needs --dataset-path")
-        reqs = datasets.jsonl_dataset(args.dataset_path, engine.tokenizer, args.output_len, args.num_prompts)
+    engine, _ = engine_from_args(args)
+    reqs = load_requests(args, engine.tokenizer, engine.runner.vocab_size)
     result = {"dataset": args.dataset, **run_offline(engine, reqs)}
     if args.single_decode:
         result.update(run_single_decode(engine, reqs[0]))
@@ -105,9 +97,9 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 
 def cmd_one_batch(args: argparse.Namespace) -> int:
-    from framework.bench.offline import run_one_batch
+    from framework.bench.offline import engine_from_args, run_one_batch
 
-    engine, _ = _engine(args)
+    engine, _ = engine_from_args(args)
     rows = [run_one_batch(engine, bs, args.input_len, args.decode_steps, engine.runner.vocab_size)
             for bs in args.batch_size]
     return _record(args, "one-batch", engine, {"batches": rows})

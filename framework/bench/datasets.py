@@ -7,6 +7,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -72,6 +73,23 @@ def jsonl_dataset(path: str | Path, tokenizer, output_len: int, num_prompts: int
             if num_prompts is not None and len(out) >= num_prompts:
                 break
     return out
+
+
+def load_requests(args: argparse.Namespace, tokenizer: Any, vocab_size: int | None = None) -> list[BenchRequest]:
+    """The workload the dataset arguments (:func:`add_dataset_args`) describe: the one dispatch
+    every bench command uses. Random ids are drawn below ``vocab_size`` (default: the
+    tokenizer's size, so a served benchmark's prompts detokenize)."""
+    vocab = vocab_size or len(tokenizer)
+    # --seed also picks the prompts: runs against one server with different seeds share no prefixes.
+    seed = getattr(args, "seed", 0)
+    if args.dataset == "random":
+        return random_dataset(args.num_prompts, args.input_len, args.output_len, vocab, args.range_ratio, seed=seed)
+    if args.dataset == "generated-shared-prefix":
+        return shared_prefix_dataset(args.gsp_groups, args.gsp_prompts_per_group, args.gsp_system_len,
+                                     args.gsp_question_len, args.output_len, vocab, seed=seed)
+    if not args.dataset_path:
+        raise SystemExit("--dataset jsonl needs --dataset-path")
+    return jsonl_dataset(args.dataset_path, tokenizer, args.output_len, args.num_prompts)
 
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:

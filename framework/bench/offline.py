@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -73,6 +74,23 @@ def run_single_decode(engine: Any, request: BenchRequest) -> dict[str, Any]:
         "decode_tokens": n - 1,
         "single_decode_tok_s": round((n - 1) / (end - first), 2) if first and n > 1 else None,
     }
+
+
+def engine_from_args(args: Any) -> tuple[Any, Any]:
+    """The Engine (and resolved config) a bench command's model arguments describe:
+    ``--model-path``, ``--random-model``, ``--config`` and ``KEY=VALUE`` overrides."""
+    from framework.bench.random_model import make_random_model
+    from framework.config.loader import resolve_config
+    from framework.engine.engine import Engine
+
+    overrides = list(args.overrides)
+    if args.random_model:
+        path = make_random_model(args.random_model, tempfile.gettempdir() + "/plugserve-bench-models")
+        overrides.insert(0, f"model.path={path}")
+    elif args.model_path:
+        overrides.insert(0, f"model.path={args.model_path}")
+    cfg = resolve_config(args.config, overrides)
+    return Engine(cfg, progress=False), cfg
 
 
 def run_one_batch(engine: Any, batch_size: int, input_len: int, decode_steps: int, vocab: int) -> dict[str, Any]:

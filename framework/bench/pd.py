@@ -119,7 +119,8 @@ def start_pd(args: argparse.Namespace, model: str | None, logs: Path) -> list[Pr
 
 def measure(args: argparse.Namespace, procs: list[Process], requests: list[Any] | None) -> tuple[dict, list]:
     """Wait for the processes, run the workload against the last one; (summary, requests)."""
-    from framework.bench.serving import load_requests, run_workload
+    from framework.bench.datasets import load_requests
+    from framework.bench.serving import run_workload
     from framework.bench.serving_metrics import format_summary, summarize
 
     for p in reversed(procs):

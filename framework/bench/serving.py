@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from framework.bench.datasets import BenchRequest, add_dataset_args
+from framework.bench.datasets import BenchRequest, add_dataset_args, load_requests
 from framework.bench.serving_metrics import RequestOutput, format_summary, summarize
 
 if TYPE_CHECKING:  # httpx is imported where used: the CLI imports this module to build its parser
@@ -230,24 +230,6 @@ def _tokenizer(args: argparse.Namespace) -> Any:
         if not path:
             raise SystemExit("the server did not report a tokenizer path: pass --tokenizer")
     return AutoTokenizer.from_pretrained(path)
-
-
-def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
-    """The workload the dataset arguments describe (shared with ``bench compare``)."""
-    from framework.bench import datasets
-
-    vocab = len(tokenizer)
-    # --seed also picks the prompts: runs against one server with different seeds share no prefixes.
-    seed = getattr(args, "seed", 0)
-    if args.dataset == "random":
-        return datasets.random_dataset(args.num_prompts, args.input_len, args.output_len, vocab, args.range_ratio,
-                                       seed=seed)
-    if args.dataset == "generated-shared-prefix":
-        return datasets.shared_prefix_dataset(args.gsp_groups, args.gsp_prompts_per_group, args.gsp_system_len,
-                                              args.gsp_question_len, args.output_len, vocab, seed=seed)
-    if not args.dataset_path:
-        raise SystemExit("--dataset jsonl needs --dataset-path")
-    return datasets.jsonl_dataset(args.dataset_path, tokenizer, args.output_len, args.num_prompts)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -105,8 +105,9 @@ def check_component_capabilities(cfg: DictConfig, registry: Any) -> None:
         name = _select(cfg, key)
         caps = registry.get(kind, name, key=key).capabilities
         if device not in caps.devices:
+            here = [n for n in registry.names(kind) if device in registry.get(kind, n).capabilities.devices]
             raise ConfigError(f"{key}: {kind.replace('_', ' ')} {name!r} runs on {', '.join(caps.devices)}, "
-                              f"not on {device} (device.device)")
+                              f"not on {device} (device.device); on {device} use one of: {', '.join(here)}")
     if _mode(cfg) == "decode":
         pool = cfg.memory_pool.name
         if not registry.get("memory_pool", pool, key="memory_pool.name").capabilities.preallocation:

@@ -1,7 +1,8 @@
 """ForwardBatch: everything one model forward needs, as device tensors plus a few CPU copies.
 
-The scheduler builds a :class:`ForwardBatch` from its ``ScheduleBatch``; the model runner hands it
-to the model, and the model hands it to the attention backend through every attention layer.
+The scheduler builds a :class:`ForwardBatch` from the requests it scheduled
+(``framework.scheduler.batch_builder``); the model runner hands it to the model, and the model
+hands it to the attention backend through every attention layer.
 """
 
 from __future__ import annotations
@@ -58,18 +59,32 @@ class ForwardBatch:
     kv_cache: KVCache
     attn_backend: AttentionBackend
     extend_prefix_lens_cpu: list[int] | None = None
-    """EXTEND only: tokens already in the cache before this step, per request."""
+    """EXTEND only: tokens already in the cache before this step (cached prefix, earlier chunks),
+    per request. Give it or ``extend_seq_lens_cpu``: the other is derived once, here."""
     extend_seq_lens_cpu: list[int] | None = None
     """EXTEND only: new tokens this step, per request."""
-    extend_prefix_lens: torch.Tensor | None = None
-    extend_seq_lens: torch.Tensor | None = None
-    extend_start_loc: torch.Tensor | None = None
-    """EXTEND only: [batch_size] offset of each request's first new token in the token tensors."""
     logits_indices: torch.Tensor | None = None
     """Rows of the hidden states whose logits are needed (default: the last token per request)."""
     attn_metadata: Any = None
     """Whatever the attention backend computed in ``init_forward_metadata`` for this batch."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.mode.is_extend():
+            return
+        seq = [int(n) for n in self.seq_lens_cpu]
+        if self.extend_seq_lens_cpu is None and self.extend_prefix_lens_cpu is None:
+            raise ValueError("an EXTEND batch needs extend_prefix_lens_cpu or extend_seq_lens_cpu")
+        if self.extend_seq_lens_cpu is None:
+            self.extend_seq_lens_cpu = [s - int(p) for s, p in zip(seq, self.extend_prefix_lens_cpu, strict=True)]
+        elif self.extend_prefix_lens_cpu is None:
+            self.extend_prefix_lens_cpu = [s - int(n) for s, n in zip(seq, self.extend_seq_lens_cpu, strict=True)]
+
+    def extend_lengths(self) -> tuple[list[int], list[int]]:
+        """``(prefix_lens, q_lens)`` of an EXTEND batch: the tokens each request already has in
+        the cache and its new tokens in this batch (what every attention backend reads)."""
+        assert self.extend_prefix_lens_cpu is not None and self.extend_seq_lens_cpu is not None, "not an EXTEND batch"
+        return self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu
 
     @property
     def num_tokens(self) -> int:

@@ -125,14 +125,19 @@ def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
 
 
 def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
-    """Give MLPs that follow the ``gate_up_proj`` + ``act`` (:class:`SiluAndMul`) convention a
-    :class:`PackedSwiGLU`; other models are left as they are."""
-    from framework.models.layers import SiluAndMul
+    """Give the MLPs that declare :class:`~framework.models.layers.FusableSwiGLU` a
+    :class:`PackedSwiGLU`; a module that declares it but breaks its contract is an error."""
+    from framework.models.layers import FusableSwiGLU, SiluAndMul
 
     fused = 0
     for module in model.modules():
+        if not isinstance(module, FusableSwiGLU):
+            continue
         gate_up, act = getattr(module, "gate_up_proj", None), getattr(module, "act", None)
-        if type(gate_up) is nn.Linear and type(act) is SiluAndMul and gate_up.weight.dtype in dtypes:
+        if not isinstance(gate_up, nn.Linear) or not isinstance(act, SiluAndMul):
+            raise TypeError(f"{type(module).__name__} declares FusableSwiGLU but has no nn.Linear gate_up_proj "
+                            "and SiluAndMul act")
+        if type(gate_up) is nn.Linear and gate_up.weight.dtype in dtypes:
             module.gate_up_proj = PackedSwiGLU(gate_up)
             module.act = nn.Identity()
             fused += 1
@@ -141,8 +146,9 @@ def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
 
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` in ``model`` whose weight dtype is in :func:`packable_dtypes` by a
-    :class:`PackedLinear` (and merged SwiGLU projections by a :class:`PackedSwiGLU`); return how
-    many layers were replaced.
+    :class:`PackedLinear` (and the merged SwiGLU projections of modules that declare
+    :class:`~framework.models.layers.FusableSwiGLU` by a :class:`PackedSwiGLU`); return how many
+    layers were replaced.
 
     Linear layers whose weight is shared with another module (a tied ``lm_head``) keep the shared
     dense weight; the others drop it, so packing does not double the model's memory.

@@ -60,6 +60,15 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class FusableSwiGLU:
+    """Declares an MLP module's opt-in to the CPU packer's SwiGLU fusion
+    (``framework.models.cpu_linear``): the module has ``gate_up_proj``, an ``nn.Linear`` whose
+    output is ``[gate; up]``, and ``act``, a :class:`SiluAndMul` applied to it, and computes
+    ``act(gate_up_proj(x))`` with nothing in between. The packer then replaces ``gate_up_proj`` by
+    one fused ``silu(gate) * up`` GEMM pair and ``act`` by identity. A module that does not
+    inherit this is never rewritten, whatever its attributes are called."""
+
+
 # --- rotary embeddings -------------------------------------------------------------------------
 
 

@@ -50,9 +50,6 @@ def build_extend(
     extend_lens = [r.extend_len for r in reqs]
     prefix_lens = [r.kv_len for r in reqs]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    starts = [0] * len(reqs)
-    for i in range(1, len(reqs)):
-        starts[i] = starts[i - 1] + extend_lens[i - 1]
     batch = ForwardBatch(
         mode=ForwardMode.EXTEND,
         batch_size=len(reqs),
@@ -67,9 +64,6 @@ def build_extend(
         attn_backend=runner.attn_backend,  # type: ignore[attr-defined]
         extend_prefix_lens_cpu=prefix_lens,
         extend_seq_lens_cpu=extend_lens,
-        extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
-        extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64, device=device),
-        extend_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
         logits_indices=torch.tensor(logits_tokens, dtype=torch.int64, device=device),
     )
     return batch, plan

@@ -236,13 +236,9 @@ class _Harness:
             kv_cache=self.kv_cache,
             attn_backend=self.backend,
             logits_indices=self._t([s + n - 1 for s, n in zip(starts, new_lens, strict=True)]),
+            extend_prefix_lens_cpu=prefix_lens if mode.is_extend() else None,
+            extend_seq_lens_cpu=list(new_lens) if mode.is_extend() else None,
         )
-        if mode.is_extend():
-            fb.extend_prefix_lens_cpu = prefix_lens
-            fb.extend_seq_lens_cpu = list(new_lens)
-            fb.extend_prefix_lens = self._t(prefix_lens)
-            fb.extend_seq_lens = self._t(new_lens)
-            fb.extend_start_loc = self._t(starts)
         return fb
 
     def step(self, mode: ForwardMode, rows: Sequence[int], new_lens: Sequence[int], check: bool = True) -> None:

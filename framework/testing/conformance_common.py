@@ -127,6 +127,15 @@ def run_check(name: str, fn: Callable[[], str | None], optional: bool = False) -
     return CheckResult(name, True, detail, optional=optional, seconds=time.monotonic() - start)
 
 
+def display_name(factory: Any) -> str:
+    """``Class.create`` for a classmethod factory (the class it was looked up on, not the one that
+    defines it), else the qualified name."""
+    owner = getattr(factory, "__self__", None)
+    if isinstance(owner, type):
+        return f"{owner.__name__}.{factory.__name__}"
+    return getattr(factory, "__qualname__", None) or type(factory).__name__
+
+
 def resolve_component(kind: str, factory: Callable[..., Any] | str, options: Any, key: str) -> tuple[Any, Any, str]:
     """``(factory, options, display name)`` for a registered name or a factory.
 
@@ -135,8 +144,7 @@ def resolve_component(kind: str, factory: Callable[..., Any] | str, options: Any
     dataclass, as the config loader would build it. A factory is used as given, with ``options``
     passed through unchanged."""
     if not isinstance(factory, str):
-        name = getattr(factory, "__qualname__", None) or type(factory).__name__
-        return factory, options, name
+        return factory, options, display_name(factory)
     from framework.plugins import get_registry
 
     comp = get_registry().get(kind, factory, key=key)

@@ -46,7 +46,13 @@ from typing import Any
 
 import torch
 
-from framework.testing.conformance_common import CheckFailed, CheckResult, ConformanceReport, run_check
+from framework.testing.conformance_common import (
+    CheckFailed,
+    CheckResult,
+    ConformanceReport,
+    display_name,
+    run_check,
+)
 from framework.testing.tiny_models import build_tokenizer
 
 __all__ = ["CHECKS", "CheckResult", "ConformanceReport", "assert_conformant", "run_conformance"]
@@ -181,8 +187,7 @@ def run_conformance(
     else:
         name = f"conformance_model_{next(_temp_names)}"
         plugin = _TempModelPlugin(name, architecture, options_cls)
-    display = architecture if isinstance(architecture, str) else (
-        getattr(architecture, "__qualname__", None) or type(architecture).__name__)
+    display = architecture if isinstance(architecture, str) else display_name(architecture)
     report = ConformanceReport("model", f"{display} ({type(hf_config).__name__})")
     threads = torch.get_num_threads()
     tmp = tempfile.TemporaryDirectory(prefix="plugserve-model-conformance-") if work_dir is None else None
@@ -253,7 +258,7 @@ def _run(report: ConformanceReport, name: str, hf_config: Any, options: Mapping[
                                logprob_start_len=0)
             pairs = res["meta_info"]["input_token_logprobs"]
             if [t for _, t in pairs] != p:
-                raise CheckFailed(f"prompt {i}: input_token_logprobs name tokens {[t for _, t in pairs]}, not the prompt")
+                raise CheckFailed(f"prompt {i}: input_token_logprobs name {[t for _, t in pairs]}, not the prompt")
             want = torch.tensor([float(ref.log_probs[i][j - 1, p[j]]) for j in range(1, len(p))])
             got = torch.tensor([float(lp) for lp, _ in pairs[1:]])
             err = float((got - want).abs().max()) if len(p) > 1 else 0.0

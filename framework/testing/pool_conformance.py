@@ -11,6 +11,10 @@ It builds pools through the factory the plugin registers
 (``factory(size, max_context_len, device, options) -> RequestPool``) and checks the contract of
 :class:`framework.memory.request_pool.RequestPool`:
 
+- ``declaration`` (a pool given by registered name): it is a
+  :class:`~framework.memory.request_pool.PreallocatingRequestPool` exactly when it registered
+  ``Capabilities(preallocation=True)`` (config resolution trusts the flag, the decode server the
+  type);
 - ``table``: ``size <= num_rows``; ``req_to_token`` is an int32 tensor of shape
   ``(num_rows, max_context_len)`` on the device; ``write`` lands in it; a fresh pool has every
   row free and ``available_size() + in_use() == num_rows``;
@@ -20,13 +24,12 @@ It builds pools through the factory the plugin registers
 - ``bad_free``: freeing a row that is not in use, out of range (-1, ``num_rows``), twice in one
   call, twice in a row, or a list mixing a valid row with a bad one raises ``ValueError`` and
   changes nothing (the valid row stays in use);
-- ``clear``: frees every row (and, for pre-allocating pools, every running mark);
 - ``preallocation`` (pre-allocating pools only, see :func:`is_preallocating`): ``activate`` of a
-  row that is not reserved raises ``ValueError``; at most ``size`` rows run at once (``activate``
-  answers ``False`` past that, ``True`` for a row already running); freeing a running row stops
-  it;
-- ``random_ops``: property-based (hypothesis): random sequences of alloc / free / bad free /
-  clear (/ activate) on pools of random size, each step compared with a model of the free and
+  row that is not reserved (free, freed, or out of range) raises ``ValueError``; at most
+  ``size`` rows run at once (``activate`` answers ``False`` past that, ``True`` for a row already
+  running); freeing or ``deactivate`` of a running row stops it; ``running_count()`` agrees;
+- ``random_ops``: property-based (hypothesis): random sequences of alloc / free / bad free
+  (/ activate / bad activate / deactivate) on pools of random size, each step compared with a model of the free and
   running sets; a failure is shrunk to a minimal sequence, printed with the report.
 """
 
@@ -38,6 +41,7 @@ from typing import Any
 
 import torch
 
+from framework.memory.request_pool import PreallocatingRequestPool
 from framework.testing.conformance_common import (
     CheckFailed,
     CheckResult,
@@ -55,7 +59,7 @@ __all__ = [
     "run_conformance",
 ]
 
-CHECKS = ("table", "exhaust", "bad_free", "clear", "preallocation", "random_ops")
+CHECKS = ("declaration", "table", "exhaust", "bad_free", "preallocation", "random_ops")
 #: (size, max_context_len) of the pools the deterministic checks build.
 SHAPES = ((1, 1), (3, 16), (8, 33))
 DEFAULT_MAX_EXAMPLES = 150
@@ -65,9 +69,10 @@ PoolFactory = Callable[[int, int, Any, Any], Any]
 
 def is_preallocating(pool: Any) -> bool:
     """Whether ``pool`` reserves rows beyond its running cap (PD decode): the one place the kit
-    decides whether the ``preallocation`` checks apply. Today a pool says so by having an
-    ``activate(row)`` method, which is what ``framework.disaggregation.decode_side`` probes."""
-    return callable(getattr(pool, "activate", None))
+    decides whether the ``preallocation`` checks apply. A pool declares it by being a
+    :class:`PreallocatingRequestPool`, which is what ``framework.disaggregation.decode_side``
+    requires (and ``Capabilities(preallocation=True)`` at registration, see ``declaration``)."""
+    return isinstance(pool, PreallocatingRequestPool)
 
 
 @dataclass
@@ -115,9 +120,10 @@ def _check_counts(pool: Any, m: _Model) -> None:
     avail = pool.available_size()
     if avail != free:
         raise m.fail(f"available_size() is {avail}, expected {free} ({len(m.in_use)} of {m.num_rows} rows in use)")
-    in_use = getattr(pool, "in_use", None)
-    if callable(in_use) and in_use() + avail != m.num_rows:
-        raise m.fail(f"available_size() + in_use() = {avail} + {in_use()} != num_rows {m.num_rows}")
+    if pool.in_use() + avail != m.num_rows:
+        raise m.fail(f"available_size() + in_use() = {avail} + {pool.in_use()} != num_rows {m.num_rows}")
+    if m.prealloc and pool.running_count() != len(m.running):
+        raise m.fail(f"running_count() is {pool.running_count()}, expected {len(m.running)} ({sorted(m.running)})")
 
 
 def _alloc(pool: Any, m: _Model, n: int) -> list[int] | None:
@@ -128,15 +134,11 @@ def _alloc(pool: Any, m: _Model, n: int) -> list[int] | None:
         m.trace.append(f"alloc({n}) raised {type(exc).__name__}: {exc}")
         raise m.fail(f"alloc({n}) raised {type(exc).__name__} with {free_before} rows free") from exc
     m.trace.append(f"alloc({n}) -> {rows}")
-    if n > free_before:
-        if rows is not None:
-            raise m.fail(f"alloc({n}) with only {free_before} rows free returned {rows}, expected None")
-    else:
-        if rows is None:
+    if rows is None:
+        if n <= free_before:
             raise m.fail(f"alloc({n}) returned None with {free_before} rows free")
+    else:
         rows = list(rows)
-        if len(rows) != n:
-            raise m.fail(f"alloc({n}) returned {len(rows)} rows: {rows}")
         for r in rows:
             if not isinstance(r, int) or isinstance(r, bool):
                 raise m.fail(f"alloc({n}) returned {r!r} ({type(r).__name__}); rows must be Python ints")
@@ -144,8 +146,12 @@ def _alloc(pool: Any, m: _Model, n: int) -> list[int] | None:
                 raise m.fail(f"alloc({n}) returned row {r}, outside 0 .. {m.num_rows - 1}")
             if r in m.in_use:
                 raise m.fail(f"alloc({n}) returned row {r}, which is already in use (handed out twice)")
-        if len(set(rows)) != n:
+        if len(set(rows)) != len(rows):
             raise m.fail(f"alloc({n}) returned the same row twice: {rows}")
+        if n > free_before:
+            raise m.fail(f"alloc({n}) with only {free_before} rows free returned {rows}, expected None")
+        if len(rows) != n:
+            raise m.fail(f"alloc({n}) returned {len(rows)} rows: {rows}")
         m.in_use.update(rows)
     _check_counts(pool, m)
     return rows
@@ -179,11 +185,10 @@ def _bad_free(pool: Any, m: _Model, rows: int | list[int], why: str) -> None:
     _check_counts(pool, m)
 
 
-def _clear(pool: Any, m: _Model) -> None:
-    pool.clear()
-    m.trace.append("clear()")
-    m.in_use.clear()
-    m.running.clear()
+def _deactivate(pool: Any, m: _Model, row: int) -> None:
+    pool.deactivate(row)
+    m.trace.append(f"deactivate({row})")
+    m.running.discard(row)
     _check_counts(pool, m)
 
 
@@ -203,6 +208,7 @@ def _activate(pool: Any, m: _Model, row: int) -> None:
         )
     if want:
         m.running.add(row)
+    _check_counts(pool, m)
 
 
 def _bad_activate(pool: Any, m: _Model, row: int, why: str) -> None:
@@ -219,6 +225,19 @@ def _bad_activate(pool: Any, m: _Model, row: int, why: str) -> None:
 
 
 # -- the deterministic checks --------------------------------------------------------------------
+
+
+def _check_declaration(comp: Any, factory: PoolFactory, options: Any, device: torch.device) -> str:
+    declared = bool(comp.capabilities.preallocation)
+    actual = is_preallocating(factory(2, 4, str(device), options))
+    if declared != actual:
+        if declared:
+            raise CheckFailed("registered with Capabilities(preallocation=True) but the pool is not a "
+                              "PreallocatingRequestPool: a PD decode server would accept it at config "
+                              "resolution, then refuse it")
+        raise CheckFailed("the pool is a PreallocatingRequestPool but registered without "
+                          "Capabilities(preallocation=True): PD decode servers will not accept it")
+    return f"preallocation={declared}"
 
 
 def _check_table(factory: PoolFactory, options: Any, device: torch.device) -> str:
@@ -287,37 +306,26 @@ def _check_bad_free(factory: PoolFactory, options: Any, device: torch.device) ->
     return f"num_rows={m.num_rows}: 8 bad frees rejected"
 
 
-def _check_clear(factory: PoolFactory, options: Any, device: torch.device) -> str:
-    pool, m = _make(factory, options, 4, 8, device)
-    rows = _alloc(pool, m, min(3, m.num_rows))
-    if m.prealloc:
-        _activate(pool, m, rows[0])
-    _clear(pool, m)
-    every = _alloc(pool, m, m.num_rows)
-    if sorted(every) != list(range(m.num_rows)):
-        raise m.fail(f"after clear(), alloc(num_rows) returned {every}")
-    if m.prealloc:
-        for r in every[: m.size]:
-            _activate(pool, m, r)  # clear() must also have dropped the running mark
-    _clear(pool, m)
-    _bad_free(pool, m, every[0], "not in use after clear()")
-    return f"num_rows={m.num_rows}"
-
-
 def _check_preallocation(factory: PoolFactory, options: Any, device: torch.device) -> str:
     pool, m = _make(factory, options, 3, 8, device)
     _bad_activate(pool, m, m.free_rows()[0], "a free row")
     reserved = _alloc(pool, m, m.num_rows)
+    _bad_activate(pool, m, -1, "out of range, with every row reserved")
+    _bad_activate(pool, m, m.num_rows, "out of range")
     for row in reserved:
         _activate(pool, m, row)  # the first ``size`` succeed, then False
     if len(m.running) != m.size:
         raise m.fail(f"{len(m.running)} rows running after activating all, expected size={m.size}")
     _activate(pool, m, sorted(m.running)[0])  # already running: True
     if m.num_rows > m.size:
-        waiting = next(r for r in reserved if r not in m.running)
-        _activate(pool, m, waiting)  # False: the cap is reached
+        waiting = [r for r in reserved if r not in m.running]
+        _activate(pool, m, waiting[0])  # False: the cap is reached
         _free(pool, m, sorted(m.running)[0])  # stops running
-        _activate(pool, m, waiting)  # True now
+        _activate(pool, m, waiting[0])  # True now
+        if len(waiting) > 1:
+            _deactivate(pool, m, waiting[0])  # stops running, stays reserved
+            _activate(pool, m, waiting[1])
+            _activate(pool, m, waiting[0])  # False again: waiting[1] took the slot
     freed = reserved[0]
     if freed in m.in_use:
         _free(pool, m, freed)
@@ -335,9 +343,9 @@ def _step(pool: Any, m: _Model, data: Any) -> None:
     ops = ["alloc", "alloc"]
     if used:
         ops += ["free", "free_many"]
-    ops += ["bad_free", "clear"]
+    ops.append("bad_free")
     if m.prealloc and used:
-        ops += ["activate", "activate"]
+        ops += ["activate", "activate", "deactivate"]
     if m.prealloc and free:
         ops.append("activate_bad")
     op = data.draw(st.sampled_from(ops))
@@ -363,8 +371,8 @@ def _step(pool: Any, m: _Model, data: Any) -> None:
         else:
             _bad_free(pool, m, [data.draw(st.sampled_from(used)), data.draw(st.sampled_from(free))],
                       "a row in use with one that is not")
-    elif op == "clear":
-        _clear(pool, m)
+    elif op == "deactivate":
+        _deactivate(pool, m, data.draw(st.sampled_from(used)))
     elif op == "activate":
         _activate(pool, m, data.draw(st.sampled_from(used)))
     else:
@@ -408,6 +416,11 @@ def run_conformance(
     name, passed through as given for a factory). ``checks`` narrows the run to some of
     :data:`CHECKS`; ``max_examples`` sizes the hypothesis search of ``random_ops``. The
     ``preallocation`` check is skipped for pools that are not pre-allocating."""
+    comp = None
+    if isinstance(factory, str):
+        from framework.plugins import get_registry
+
+        comp = get_registry().get("memory_pool", factory, key="memory_pool.name")
     factory, options, name = resolve_component("memory_pool", factory, options, "memory_pool.name")
     dev = torch.device(device)
     report = ConformanceReport("memory pool", name)
@@ -417,6 +430,12 @@ def run_conformance(
         raise ValueError(f"unknown pool checks {sorted(unknown)}; known: {', '.join(CHECKS)}")
     prealloc = None
     for check in wanted:
+        if check == "declaration":
+            if comp is None:
+                report.results.append(CheckResult(check, False, "given a factory: no registration", skipped=True))
+            else:
+                report.results.append(run_check(check, lambda: _check_declaration(comp, factory, options, dev)))
+            continue
         if check == "preallocation":
             if prealloc is None:
                 prealloc = is_preallocating(factory(1, 1, str(dev), options))
@@ -427,7 +446,7 @@ def run_conformance(
             report.results.append(run_check(check, lambda: _check_random_ops(factory, options, dev, max_examples)))
             continue
         fn = {"table": _check_table, "exhaust": _check_exhaust, "bad_free": _check_bad_free,
-              "clear": _check_clear, "preallocation": _check_preallocation}[check]
+              "preallocation": _check_preallocation}[check]
         report.results.append(run_check(check, lambda fn=fn: fn(factory, options, dev)))
     return report
 

@@ -20,7 +20,14 @@ from torch import nn
 
 from framework.attention.base import Attention
 from framework.models.cpu_linear import linear_add
-from framework.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_qkv, get_rope
+from framework.models.layers import (
+    FusableSwiGLU,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    apply_rotary_qkv,
+    get_rope,
+)
 
 if TYPE_CHECKING:
     from framework.executor.forward_batch import ForwardBatch
@@ -79,8 +86,8 @@ class LlamaAttention(nn.Module):
         return linear_add(self.o_proj, out, residual)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with a merged gate/up projection."""
+class LlamaMLP(nn.Module, FusableSwiGLU):
+    """SwiGLU feed-forward with a merged gate/up projection (the CPU packer may fuse it)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()

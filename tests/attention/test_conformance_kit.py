@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from framework.attention.paged_sdpa import ExtendRequest
 from framework.testing.attention_conformance import (
     SCENARIOS,
     ConformanceCase,
@@ -16,7 +17,6 @@ from framework.testing.attention_conformance import (
     run_conformance,
 )
 from plugins.attention.torch_native import TorchNativeAttnBackend
-from plugins.attention.torch_native.backend import _ExtendRequest
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ class PrefixBlindBackend(TorchNativeAttnBackend):
         super().init_forward_metadata(forward_batch)
         if forward_batch.mode.is_extend():
             forward_batch.attn_metadata = [
-                _ExtendRequest(r.q_start, r.q_len, None, None) for r in forward_batch.attn_metadata
+                ExtendRequest(r.q_start, r.q_len, None, None) for r in forward_batch.attn_metadata
             ]
 
 

@@ -27,12 +27,13 @@ def test_cpu_device_fails_with_the_reason() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_selecting_it_on_cpu_fails_at_engine_start(tmp_path) -> None:
+def test_selecting_it_on_cpu_fails_before_loading_anything(tmp_path) -> None:
+    """Its declared devices (cuda) are checked when the config is resolved."""
     from framework import Engine
     from framework.testing.tiny_models import save_tiny_model
 
     path = save_tiny_model(tmp_path / "llama", "LlamaForCausalLM")
-    with pytest.raises(ConfigError, match="runs only on CUDA GPUs.*use attention.backend=torch_native"):
+    with pytest.raises(ConfigError, match=r"attention\.backend: .*'flashinfer' runs on cuda, not on cpu.*torch_native"):
         Engine(
             overrides=[
                 f"model.path={path}",

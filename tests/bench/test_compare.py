@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.bench.compare import _peer, agreement, ratios, run_vllm
+from benchmarks.compare import _peer, agreement, ratios, run_vllm
 from framework.bench.datasets import BenchRequest
 from framework.cli.main import main
 
@@ -115,7 +115,7 @@ class LLM:
 def test_vllm_in_its_own_interpreter_plumbing(tmp_path: Path, monkeypatch) -> None:
     """``--vllm-python``: the job goes to vllm_peer.py in a subprocess and the results come back in order.
     A stand-in vllm package (vLLM needs its own venv) checks the plumbing, not vLLM."""
-    from framework.bench.compare import run_vllm_elsewhere
+    from benchmarks.compare import run_vllm_elsewhere
 
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM_PACKAGE)
@@ -132,7 +132,7 @@ def test_vllm_in_its_own_interpreter_plumbing(tmp_path: Path, monkeypatch) -> No
 
 def test_gguf_cache_key_follows_the_checkpoint(tmp_path: Path, monkeypatch) -> None:
     """A rewritten checkpoint (new weights, same directory) must be converted again, not reused."""
-    from framework.bench.compare import gguf_path
+    from benchmarks.compare import gguf_path
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     model = tmp_path / "m"
@@ -157,7 +157,7 @@ def test_llamacpp_peer_generates_the_same_greedy_tokens(tmp_path: Path, monkeypa
     """The real llama.cpp in its own venv: the checkpoint is converted to GGUF f32, every request gets
     exactly its output length, and greedy tokens agree with plugserve's on most requests (a near-tie
     in a random model may flip one; a wrong conversion or position bug would flip nearly all)."""
-    from framework.bench.compare import run_llamacpp_elsewhere
+    from benchmarks.compare import run_llamacpp_elsewhere
     from framework.bench.datasets import random_dataset
     from framework.bench.offline import run_offline
     from framework.bench.random_model import make_random_model
@@ -179,7 +179,7 @@ def test_llamacpp_peer_generates_the_same_greedy_tokens(tmp_path: Path, monkeypa
 def test_llamacpp_job_matches_plugserves_precision(tmp_path: Path, monkeypatch) -> None:
     """llama.cpp defaults to an f16 KV cache; the job must ask for plugserve's KV precision instead
     (and a GGUF of the model's dtype), or the comparison reads half the K/V bytes on one side."""
-    from framework.bench import compare
+    from benchmarks import compare
 
     jobs = []
     monkeypatch.setattr(compare, "_run_peer_script", lambda py, script, job, reqs, outs: jobs.append((script, job)))
@@ -191,7 +191,7 @@ def test_llamacpp_job_matches_plugserves_precision(tmp_path: Path, monkeypatch) 
     compare.run_llamacpp_elsewhere("py", "conv.py", str(tmp_path / "m"), reqs, threads=2, kv_dtype="bfloat16")
     assert [j["kv_type"] for _, j in jobs] == ["float32", "bfloat16"]
     assert all(s == "llamacpp_peer.py" and j["outtype"] == "f32" and j["threads"] == 2 for s, j in jobs)
-    from framework.bench.llamacpp_peer import GGML_KV_TYPES
+    from benchmarks.llamacpp_peer import GGML_KV_TYPES
 
     assert set(GGML_KV_TYPES) >= {"float32", "bfloat16"}
     with pytest.raises(ValueError, match="--llamacpp-converter is needed"):

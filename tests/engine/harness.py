@@ -120,9 +120,6 @@ class MiniRunner:
             attn_backend=self.attn_backend,
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=ext_lens,
-            extend_prefix_lens=self._tensor(prefix_lens),
-            extend_seq_lens=self._tensor(ext_lens),
-            extend_start_loc=self._tensor(starts),
             logits_indices=self._tensor([s + n - 1 for s, n in zip(starts, ext_lens, strict=True)]),
         )
         self.attn_backend.init_forward_metadata(fb)

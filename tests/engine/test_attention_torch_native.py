@@ -166,11 +166,12 @@ def test_decode_split_into_gather_groups(cap: int) -> None:
 def test_registered_through_hook() -> None:
     registered = {}
 
-    def register(name, factory, config=None):
-        registered[name] = (factory, config)
+    def register(name, factory, config=None, capabilities=None):
+        registered[name] = (factory, config, capabilities)
 
     torch_native.register_attention_backends(register)
-    factory, config = registered["torch_native"]
+    factory, config, capabilities = registered["torch_native"]
     assert config is TorchNativeOptions
+    assert capabilities.cuda_graph and set(capabilities.devices) == {"cpu", "cuda"}
     runner = MiniRunner(factory, num_layers=1, num_kv_heads=1, head_dim=8)
     assert isinstance(runner.attn_backend, TorchNativeAttnBackend)

@@ -15,12 +15,12 @@ from framework.models.cpu_linear import (
     pack_linear_layers,
     packable_dtypes,
 )
-from framework.models.layers import SiluAndMul
+from framework.models.layers import FusableSwiGLU, SiluAndMul
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
 
 
-class _MLP(nn.Module):
+class _MLP(nn.Module, FusableSwiGLU):
     def __init__(self, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(24, 2 * 40, bias=bias)
@@ -58,6 +58,30 @@ def test_packed_model_matches_torch(bias: bool, rows: int) -> None:
         assert model.head.weight is model.embed.weight
         got = model(ids)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (got - expected).abs().max()
+
+
+class _UndeclaredMLP(nn.Module):
+    """Same attribute names as _MLP, but no FusableSwiGLU declaration: never fused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(24, 2 * 40)
+        self.act = SiluAndMul()
+
+
+class _BrokenDeclaration(nn.Module, FusableSwiGLU):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(24, 80)
+        self.act = nn.GELU()
+
+
+def test_swiglu_fusion_is_opt_in_and_checked() -> None:
+    undeclared = _UndeclaredMLP()
+    assert pack_linear_layers(undeclared) == 1
+    assert isinstance(undeclared.gate_up_proj, PackedLinear) and isinstance(undeclared.act, SiluAndMul)
+    with pytest.raises(TypeError, match="_BrokenDeclaration declares FusableSwiGLU"):
+        pack_linear_layers(_BrokenDeclaration())
 
 
 def test_packed_linear_takes_any_leading_shape() -> None:

@@ -14,8 +14,9 @@ head) a work item on torch's OpenMP workers, reading prefix and new K/V through 
 The kernels compute in float32 over a float32 or bfloat16 cache (``kv_cache.dtype=bfloat16``
 halves the bytes each decode step reads; a bf16 model's cache is bf16); bf16 and fp16 queries are
 widened on the way in and the output rounded back. Extend takes head sizes that are multiples of 16
-up to 128. Anything else (an fp16 cache, other head sizes) falls back to the ``torch_native`` path,
-so the backend is always correct and only sometimes fast.
+up to 128. Anything else (an fp16 cache, other head sizes) falls back to the SDPA reference path
+(:class:`framework.attention.paged_sdpa.PagedSDPA`, what ``torch_native`` runs), so the backend is
+always correct and only sometimes fast.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from framework.attention.base import Attention
+from framework.attention.base import Attention, AttentionBackend
+from framework.attention.paged_sdpa import PagedSDPA, PagedSDPAOptions
 from framework.errors import ConfigError
 from plugins.attention.cpu_paged.kernel import (
     KV_DTYPES,
@@ -37,15 +39,14 @@ from plugins.attention.cpu_paged.kernel import (
     paged_decode_attention,
     paged_extend_attention,
 )
-from plugins.attention.torch_native.backend import TorchNativeAttnBackend, TorchNativeOptions, extend_lengths
 
 if TYPE_CHECKING:
     from framework.executor.forward_batch import ForwardBatch
 
 
 @dataclass
-class CpuPagedOptions(TorchNativeOptions):
-    """Options of the ``cpu_paged`` backend (plus ``torch_native``'s, used by its fallback path)."""
+class CpuPagedOptions(PagedSDPAOptions):
+    """Options of the ``cpu_paged`` backend (plus the SDPA fallback path's)."""
 
     num_threads: int = 0
     """Threads of the decode kernel; 0: torch's intra-op thread count."""
@@ -75,7 +76,7 @@ class _DecodeMeta:
     """``[bs]`` int64 context lengths."""
     total_tokens: int
     fallback: Any
-    """``torch_native``'s decode metadata, built lazily only if a layer needs the fallback."""
+    """The SDPA path's decode metadata, built lazily only if a layer needs the fallback."""
 
 
 @dataclass
@@ -87,12 +88,12 @@ class _ExtendMeta:
     q_lens: torch.Tensor
     """``[bs]`` int64 new tokens of each request in this batch."""
     fallback: Any
-    """``torch_native``'s extend metadata, built lazily only if a layer needs the fallback."""
+    """The SDPA path's extend metadata, built lazily only if a layer needs the fallback."""
 
 
-class CpuPagedAttnBackend(TorchNativeAttnBackend):
-    """``torch_native`` with C decode and extend kernels over the paged KV cache (CPU; fp32 math)."""
-
+class CpuPagedAttnBackend(AttentionBackend):
+    """C decode and extend kernels over the paged KV cache (CPU; fp32 math), with the SDPA
+    reference path for what the kernels do not take."""
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -100,7 +101,9 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         return None if compiler() is not None else "no C compiler found to build its decode kernel"
 
     def __init__(self, runner: Any, options: CpuPagedOptions | None = None) -> None:
-        super().__init__(runner, options or CpuPagedOptions())
+        self.device = torch.device(runner.device)
+        self.options = options or CpuPagedOptions()
+        self.sdpa = PagedSDPA(self.device, self.options)
         if self.device.type != "cpu":
             raise ConfigError(f"attention.backend: cpu_paged runs on CPU only (device is {self.device}); "
                               "use flashinfer, triton or torch_native")
@@ -109,15 +112,13 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
             load_extend_kernel()
         except KernelUnavailable as exc:
             raise ConfigError(f"attention.backend: cpu_paged cannot build its kernel: {exc}") from None
-        opts = self.options
-        assert isinstance(opts, CpuPagedOptions)
-        self.num_threads = opts.num_threads or torch.get_num_threads()
-        self.single_thread_below = opts.single_thread_below
+        self.num_threads = self.options.num_threads or torch.get_num_threads()
+        self.single_thread_below = self.options.single_thread_below
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """The request rows and lengths as contiguous int64 tensors (what the kernels read)."""
         if not forward_batch.mode.is_decode():
-            prefix, q_lens = extend_lengths(forward_batch)
+            prefix, q_lens = forward_batch.extend_lengths()
             forward_batch.attn_metadata = _ExtendMeta(forward_batch.req_pool_indices.to(torch.int64).contiguous(),
                                                       torch.tensor(prefix, dtype=torch.int64),
                                                       torch.tensor(q_lens, dtype=torch.int64), None)
@@ -139,15 +140,12 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         kv_dtype = getattr(forward_batch.kv_cache, "dtype", None)
         if (not save_kv_cache or q.dtype not in QUERY_DTYPES or kv_dtype not in KV_DTYPES
                 or forward_batch.req_to_token.dtype != torch.int32 or not extend_supported(layer.head_dim)):
-            # torch_native's per-request SDPA (it also covers K/V that are not stored: the kernel
-            # reads every key through the cache).
+            # The per-request SDPA path (it also covers K/V that are not stored: the kernel reads
+            # every key through the cache).
             if meta.fallback is None:
-                meta.fallback = self._extend_metadata(forward_batch)
-            forward_batch.attn_metadata = meta.fallback
-            try:
-                return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-            finally:
-                forward_batch.attn_metadata = meta
+                meta.fallback = self.sdpa.extend_metadata(forward_batch)
+            k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
+            return self.sdpa.extend(q, k, v, k_cache, v_cache, layer, meta.fallback)
         k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
         num_tokens = q.shape[0]
         out = torch.empty(num_tokens, layer.num_heads, layer.head_dim, dtype=torch.float32)
@@ -168,10 +166,10 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         meta: _DecodeMeta = forward_batch.attn_metadata
         table = forward_batch.req_to_token
         if q.dtype not in QUERY_DTYPES or k_cache.dtype not in KV_DTYPES or table.dtype != torch.int32:
-            # torch_native's gather + SDPA path; its metadata is built once per batch, on first need.
+            # The gather + SDPA path; its metadata is built once per batch, on first need.
             if meta.fallback is None:
-                meta.fallback = self._decode_metadata(forward_batch)
-            return self._decode_gathered(q, k_cache, v_cache, layer, meta.fallback)
+                meta.fallback = self.sdpa.decode_metadata(forward_batch)
+            return self.sdpa.decode(q, k_cache, v_cache, layer, meta.fallback)
         bs = q.shape[0]
         out = torch.empty(bs, layer.num_heads, layer.head_dim, dtype=torch.float32)
         work = meta.total_tokens * layer.num_kv_heads * layer.head_dim

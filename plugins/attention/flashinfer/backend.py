@@ -205,11 +205,7 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         qo_indptr = None
         if fb.mode.is_extend():
-            if fb.extend_seq_lens_cpu is not None:
-                q_lens = list(fb.extend_seq_lens_cpu)
-            else:
-                assert fb.extend_prefix_lens_cpu is not None
-                q_lens = [s - p for s, p in zip(fb.seq_lens_cpu, fb.extend_prefix_lens_cpu, strict=True)]
+            _, q_lens = fb.extend_lengths()
             qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
             qo_indptr = qo_indptr.to(self.device)

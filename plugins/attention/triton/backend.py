@@ -108,14 +108,8 @@ class TritonAttnBackend(AttentionBackend):
         seq_lens = list(fb.seq_lens_cpu)
         if fb.mode.is_decode():
             prefix_lens, q_lens = [s - 1 for s in seq_lens], [1] * len(seq_lens)
-        elif fb.extend_seq_lens_cpu is not None:
-            q_lens = list(fb.extend_seq_lens_cpu)
-            prefix_lens = [s - n for s, n in zip(seq_lens, q_lens, strict=True)]
-        elif fb.extend_prefix_lens_cpu is not None:
-            prefix_lens = list(fb.extend_prefix_lens_cpu)
-            q_lens = [s - p for s, p in zip(seq_lens, prefix_lens, strict=True)]
         else:
-            raise ValueError("an EXTEND batch needs extend_seq_lens_cpu or extend_prefix_lens_cpu")
+            prefix_lens, q_lens = fb.extend_lengths()
         q_starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
 
         def t(values: list[int]) -> torch.Tensor:

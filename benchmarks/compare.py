@@ -25,7 +25,8 @@ PEERS = ("transformers", "vllm", "llama.cpp")
 
 
 def add_compare_command(bench_sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register ``bench compare`` (called from framework/bench/cli.py with its model arguments)."""
+    """Register ``bench compare`` (the ``plugserve.bench`` entry point; ``common`` adds the model
+    arguments every bench command shares)."""
     from framework.bench.datasets import add_dataset_args
 
     p = bench_sub.add_parser("compare", help="one offline workload through plugserve, transformers and vLLM")
@@ -217,11 +218,10 @@ def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from framework.bench.cli import _engine
-    from framework.bench.offline import append_result, environment, run_offline
-    from framework.bench.serving import load_requests
+    from framework.bench.datasets import load_requests
+    from framework.bench.offline import append_result, engine_from_args, environment, run_offline
 
-    engine, cfg = _engine(args)
+    engine, cfg = engine_from_args(args)
     model_path = str(cfg.model.path)
     requests = load_requests(args, engine.tokenizer)
     tokens: dict[str, list[list[int]]] = {name: [] for name in ("plugserve", *PEERS)}
