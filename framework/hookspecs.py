@@ -44,9 +44,11 @@ Register = Callable[..., None]
 def register_attention_backends(register: Register) -> None:
     """Register attention backends.
 
-    Factory signature: ``factory(runner: ModelRunnerContext, options) -> AttentionBackend``, where
-    ``runner`` exposes the device, dtype, the KV cache and the request pool, and ``options`` is an
-    instance of the registered options dataclass (or ``None``). See
+    Factory signature: ``factory(runner, options) -> AttentionBackend``, where ``runner`` is the
+    :class:`~framework.executor.model_runner.ModelRunner` (a backend should read only its
+    ``device``, ``dtype``, ``kv_cache`` and ``req_pool``) and ``options`` is an instance of the
+    registered options dataclass (or ``None``). Declare devices, ``auto`` priority and CUDA-graph
+    support with ``capabilities=Capabilities(...)``. See
     :class:`framework.attention.base.AttentionBackend` for the interface.
     """
 

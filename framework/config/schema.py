@@ -81,7 +81,9 @@ class AttentionConfig:
     """The attention backend plugin."""
 
     backend: str = "auto"
-    """A registered attention backend; auto: flashinfer, else triton on GPU; torch_native on CPU."""
+    """A registered attention backend; auto: the highest ``auto_priority`` its registration declares
+    for the device among those that can run here (built-ins: flashinfer, then triton, then
+    torch_native on GPU; cpu_paged, then torch_native on CPU)."""
     options: Any = field(default_factory=dict)
 
 
@@ -90,7 +92,8 @@ class MemoryPoolConfig:
     """The request-pool plugin (``req_to_token`` table)."""
 
     name: str = "auto"
-    """A registered memory pool; auto: decode_prealloc in decode mode, else standard."""
+    """A registered memory pool; auto: the highest ``auto_priority`` one, among those declaring
+    ``preallocation`` on a PD decode server (built-ins: decode_prealloc there, else standard)."""
     options: Any = field(default_factory=dict)
 
 

@@ -69,8 +69,10 @@ def resolve_dtype(config_dtype: Any, override: str, device: str | torch.device) 
 
     ``override`` is ``"auto"`` or an explicit dtype name (``float32``, ``bfloat16``, ``float16``),
     which is always honoured. ``"auto"`` means the checkpoint's ``dtype``/``torch_dtype`` on a GPU,
-    but float32 on CPU: bf16/fp16 matmuls have no fast path on AVX2-only CPUs and run many times
-    slower than fp32. A checkpoint that declares no dtype is served in float32, as transformers does.
+    but float32 on CPU: bf16/fp16 matmuls have no fast path on CPUs without native bf16 dot products
+    (AVX2-only ones run them many times slower than fp32; on one with AVX512-BF16 or AMX, set
+    ``model.dtype=bfloat16`` for ~1.5x). A checkpoint that declares no dtype is served in float32,
+    as transformers does.
     """
     if override != "auto":
         return _as_dtype(override)  # type: ignore[return-value]

@@ -78,7 +78,7 @@ class TritonAttnBackend(AttentionBackend):
         if self.device.type == "cpu" and not interpreter_on():
             raise ConfigError(
                 "attention.backend=triton needs a GPU; on CPU it runs only under the Triton interpreter "
-                "(TRITON_INTERPRET=1, for tests, very slow). Use attention.backend=torch_native on CPU"
+                "(TRITON_INTERPRET=1, for tests, very slow). Use attention.backend=cpu_paged or torch_native on CPU"
             )
         if self.device.type not in ("cpu", "cuda"):
             raise ConfigError(f"attention.backend=triton supports cuda devices, not {self.device.type!r}")
