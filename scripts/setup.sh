@@ -22,6 +22,8 @@ fi
 # are the KV transfer libraries the PD tests use.
 .venv/bin/python -m pip install -q -e ".[test,bench,triton,mooncake,nixl]"
 .venv/bin/python -m pip install -q --no-deps -e tests/plugins/plugserve-example-plugin
+# Fault injection for the PD fault tests (a stalling transfer backend), kept out of the product.
+.venv/bin/python -m pip install -q --no-deps -e tests/plugins/plugserve-fault-plugin
 # sglang-router (prebuilt wheel) in its own venv, so its dependencies never meet plugserve's: the PD
 # tests check that it can front plugserve's prefill and decode servers ($SGLANG_ROUTER_PYTHON).
 if [ "${PLUGSERVE_SKIP_SGLANG_ROUTER:-0}" != 1 ]; then

@@ -70,14 +70,15 @@ def test_decode_with_unreachable_bootstrap_times_out_and_frees(model_path):
 
 
 def test_stalled_transfer_times_out_on_both_sides_and_quarantines(model_path):
-    """A send that stalls after its header (the nccl backend's testing-only ``test_stall_rooms``)
+    """A send that stalls after its header (the test plugin's ``nccl_stalling`` backend)
     fails on both sides with "transfer timed out" after ``transfer_timeout_s``. The decode side's
     pages stay quarantined (held, not reusable) while the late sender may still write them, and
     are freed once it stopped; afterwards a new request goes through."""
     port = free_port()
-    stall = ["disaggregation.bootstrap_timeout_s=10", "disaggregation.transfer_timeout_s=1",
+    stall = ["disaggregation.transfer_backend=nccl_stalling",  # tests/plugins/plugserve-fault-plugin
+             "disaggregation.bootstrap_timeout_s=10", "disaggregation.transfer_timeout_s=1",
              "disaggregation.transfer_options.timeout_s=10",
-             "disaggregation.transfer_options.test_stall_rooms=[77]", "disaggregation.transfer_options.test_stall_s=3"]
+             "disaggregation.transfer_options.stall_rooms=[77]", "disaggregation.transfer_options.stall_s=3"]
     p = engine(model_path, "prefill", port, *stall)
     d = engine(model_path, "decode", free_port(), "memory_pool.name=decode_prealloc", *stall)
     try:

@@ -1,7 +1,7 @@
 """PD faults with real processes on CPU: a prefill server, a decode server (``nccl`` transfer
 backend over gloo) and ``plugserve router`` on 127.0.0.1, with short timeouts.
 
-- a transfer that stalls mid-pages (the nccl backend's testing-only ``test_stall_rooms``) fails on
+- a transfer that stalls mid-pages (the test plugin's ``nccl_stalling`` backend) fails on
   both servers with "transfer timed out", frees everything, and both keep serving;
 - a decode server killed with SIGKILL while transfers and decodes are in flight: every client
   (through the router, and straight to the prefill server) gets an error or its complete reply,
@@ -39,10 +39,11 @@ pytestmark = pytest.mark.timeout(900)
 KV = ["kv_cache.max_total_tokens=4096", "kv_cache.page_size=4", "scheduler.chunked_prefill_size=32"]
 STALL_ROOMS = [901, 902, 903]
 STALL_S = 4.0
-PD = ["disaggregation.transfer_backend=nccl", "disaggregation.bootstrap_timeout_s=3",
+# nccl_stalling: nccl plus fault injection, from tests/plugins/plugserve-fault-plugin.
+PD = ["disaggregation.transfer_backend=nccl_stalling", "disaggregation.bootstrap_timeout_s=3",
       "disaggregation.transfer_timeout_s=2", "disaggregation.transfer_options.timeout_s=8",
-      f"disaggregation.transfer_options.test_stall_rooms=[{','.join(map(str, STALL_ROOMS))}]",
-      f"disaggregation.transfer_options.test_stall_s={STALL_S}"]
+      f"disaggregation.transfer_options.stall_rooms=[{','.join(map(str, STALL_ROOMS))}]",
+      f"disaggregation.transfer_options.stall_s={STALL_S}"]
 CALL_TIMEOUT_S = 60.0
 """Every client call's timeout; the tests assert that none hit it (a hang)."""
 

@@ -21,8 +21,7 @@ import datetime
 import logging
 import queue
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,11 +53,6 @@ class NcclOptions:
     """torch.distributed backend: auto (nccl when the KV is on a GPU, else gloo), gloo or nccl."""
     timeout_s: float = 60.0
     """Timeout of the rendezvous and of each point-to-point operation."""
-    test_stall_rooms: list[int] = field(default_factory=list)
-    """Testing only (fault tests): rooms whose send pauses ``test_stall_s`` after the first buffer's
-    pages, as a stalled link would. Leave empty in production."""
-    test_stall_s: float = 0.0
-    """Testing only: how long a room in ``test_stall_rooms`` stalls."""
 
 
 class NcclTransferBackend(RoomTableBackend):
@@ -211,10 +205,8 @@ class NcclTransferBackend(RoomTableBackend):
         if runs:
             self._p2p(torch.tensor(runs, dtype=torch.int64).flatten().to(self.device), send=True)
         bpp = self.layout.bytes_per_page
-        for i, buf in enumerate(self.layout.buffers):
+        for buf in self.layout.buffers:
             self._p2p_many([buf[src * bpp : (src + n) * bpp] for src, _dst, n in runs], send=True)
-            if i == 0 and room in self.options.test_stall_rooms:  # mid-pages: the receiver is writing
-                time.sleep(self.options.test_stall_s)
         if metadata:
             self._p2p(torch.frombuffer(bytearray(metadata), dtype=torch.uint8).to(self.device), send=True)
 
