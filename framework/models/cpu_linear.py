@@ -6,7 +6,8 @@ Why: torch's fp32 ``F.linear`` goes through MKL's sgemm on the plain weight layo
 native bf16 dot products) and ~9-12 GB/s of weight reads for the single-token GEMV. oneDNN's
 inner-product primitive with the weight reordered once into its blocked layout (what
 ``torch.compile``'s CPU freezing pass does) measured ~200 GFLOP/s and ~1.4x faster GEMV there. The
-code needs neither AVX-512 nor bf16 instructions: it asks torch what oneDNN supports. Reordering costs a copy per weight at load time and nothing per call.
+code needs neither AVX-512 nor bf16 instructions: it asks torch what oneDNN supports. Reordering
+costs a copy per weight at load time and nothing per call.
 
 Numerics: oneDNN accumulates in a different order than MKL, so results differ from ``F.linear`` by
 float32 rounding (~1e-6 relative); greedy outputs stay equal to transformers' on the test models.
