@@ -148,6 +148,12 @@ class TransferBackend(ABC):
     Calls come from the scheduler thread; backends may move bytes on their own threads.
     """
 
+    conformance_optional: frozenset[str] = frozenset()
+    """Checks of the transfer conformance kit (``framework.testing.transfer_conformance``) this
+    backend declares it cannot pass, with the reason in a comment where it is set: e.g. a
+    transport that only notices a dead peer through transfer timeouts declares
+    ``{"link_error_sender", "link_error_receiver"}``. ``roundtrip`` can never be optional."""
+
     def __init__(self, role: str, layout: KVLayout, options: Any) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")

@@ -126,4 +126,8 @@ class FreeRowList:
             self._free.append(row)
 
     def is_used(self, row: int) -> bool:
+        """Whether ``row`` is handed out; a row outside the pool is a ValueError (a negative
+        index must not wrap around to the last row)."""
+        if not 0 <= row < self.num_rows:
+            raise ValueError(f"row {row} is outside the pool (0..{self.num_rows - 1})")
         return bool(self._used[row])

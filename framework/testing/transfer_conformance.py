@@ -106,7 +106,11 @@ def declared_optional(factory: Any) -> frozenset[str]:
 
 
 def _import_path(obj: Any) -> str:
-    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    owner = getattr(obj, "__self__", None)
+    if isinstance(owner, type):  # a classmethod, maybe inherited: look it up on the class it was taken from
+        module, qualname = owner.__module__, f"{owner.__qualname__}.{obj.__name__}"
+    else:
+        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not module or not qualname or "<" in qualname or module == "__main__":
         raise ValueError(
             f"{obj!r} cannot be rebuilt in the peer processes: pass a registered backend name, or a factory "
@@ -155,6 +159,9 @@ class _Peer:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=child_env,
         )
         self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._seq = 0
+        """Id of the last command sent; answers carry it, so a late answer to a command that timed
+        out is never taken for the answer to the next one."""
         threading.Thread(target=self._read, name=f"conformance-{role}", daemon=True).start()
 
     def _read(self) -> None:
@@ -170,18 +177,23 @@ class _Peer:
 
     def send(self, cmd: str, **kwargs: Any) -> None:
         assert self.proc.stdin is not None
+        self._seq += 1
         try:
-            self.proc.stdin.write(json.dumps({"cmd": cmd, **kwargs}) + "\n")
+            self.proc.stdin.write(json.dumps({"cmd": cmd, "id": self._seq, **kwargs}) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise CheckFailed(f"the {self.role} process is gone ({exc}); its stderr:\n{self.stderr_tail()}") from exc
 
     def reply(self, what: str, timeout_s: float) -> dict[str, Any]:
-        try:
-            msg = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise CheckFailed(f"the {self.role} process did not answer {what} within {timeout_s:g} s; "
-                              f"its stderr:\n{self.stderr_tail()}") from None
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = self._lines.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                raise CheckFailed(f"the {self.role} process did not answer {what} within {timeout_s:g} s; "
+                                  f"its stderr:\n{self.stderr_tail()}") from None
+            if msg is None or msg.get("id", 0) == self._seq:
+                break
         if msg is None:
             self.proc.wait(timeout=10)
             raise CheckFailed(f"the {self.role} process exited ({self.proc.returncode}) during {what}; "
@@ -236,10 +248,17 @@ class _Pair:
         self.rx.send(rx[0], **rx[1])
         return self.tx.reply(tx[0], timeout_s), self.rx.reply(rx[0], timeout_s)
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
+        """``close()`` both backends and let the processes exit; not ``graceful``: kill them (after
+        a link check, where closing a backend whose peer is dead may wait on its own timeouts)."""
         for peer in (getattr(self, "tx", None), getattr(self, "rx", None)):
-            if peer is not None:
+            if peer is None:
+                continue
+            if graceful:
                 peer.close()
+            else:
+                peer.kill()
+                peer._stderr.close()
 
 
 # -- the checks (this process's side) --------------------------------------------------------------
@@ -334,13 +353,18 @@ def _quiescence(pair: _Pair) -> str:
             f"next room: {after}")
 
 
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _link_error_sender(pair: _Pair, deadline_s: float) -> str:
     pair.rx.kill()
     got = pair.tx.call("link_error", deadline_s=deadline_s, probe=True, timeout_s=deadline_s + 30)
     if not got["link_error"]:
         raise CheckFailed(f"the receiver process was killed; link_error() still None after {deadline_s:g} s "
                           f"({got['probes']} rooms sent meanwhile, their states: {got['probe_states']})")
-    return f"after {got['waited_s']:.2f} s: {got['link_error']}"
+    return f"after {got['waited_s']:.2f} s: {_short(got['link_error'])}"
 
 
 def _link_error_receiver(spec: dict[str, Any], python: str, env: Mapping[str, str] | None, deadline_s: float,
@@ -356,9 +380,9 @@ def _link_error_receiver(spec: dict[str, Any], python: str, env: Mapping[str, st
         end = pair.rx.call("wait_final", rooms=[42], deadline_s=transfer_deadline_s,
                            timeout_s=transfer_deadline_s + 30)["rooms"]["42"]
         _check_states("receiver", 42, end, want="failed")
-        return f"after {got['waited_s']:.2f} s: {got['link_error']}; the pending room failed"
+        return f"after {got['waited_s']:.2f} s: {_short(got['link_error'])}; the pending room failed"
     finally:
-        pair.close()
+        pair.close(graceful=False)
 
 
 def run_conformance(
@@ -383,8 +407,9 @@ def run_conformance(
     quiescence wait, ``timeout_s`` is the bootstrap timeout the ``timeout`` check applies, and
     ``link_error_deadline_s`` how long a killed peer may take to show in ``link_error()``.
     ``optional`` adds check names to the ones the backend declares optional."""
-    wanted = [c for c in CHECKS if c in set(checks)]
-    unknown = set(checks) - set(CHECKS)
+    asked = set(checks)
+    wanted = [c for c in CHECKS if c in asked]
+    unknown = asked - set(CHECKS)
     if unknown:
         raise ValueError(f"unknown transfer checks {sorted(unknown)}; known: {', '.join(CHECKS)}")
     if isinstance(backend, str):
@@ -421,7 +446,7 @@ def run_conformance(
                 report.results.append(run_check(check, fns[check], optional=check in opt))
         finally:
             if in_pair:
-                pair.close()
+                pair.close(graceful="link_error_sender" not in in_pair)
     if "link_error_receiver" in wanted:
         report.results.append(run_check(
             "link_error_receiver",
@@ -577,7 +602,7 @@ class _Child:
                     bad = int((page != want).nonzero()[0, 0])
                     problems.append(f"buffer {i} (layer {i // 2} {'KV'[i % 2]}): destination page {d} differs from "
                                     f"source page {s} at byte {bad} of {self.cache.bytes_per_page}")
-                self._page(ref, d).copy_(want)
+                self._page(ref, d).copy_(page)  # what landed: a later check reports only new damage
             for p in maybe:
                 self._page(ref, p).copy_(self._page(buf, p))
             for p in range(self.layout.num_pages):
@@ -629,24 +654,24 @@ def _child_main(role: str, spec_json: str) -> None:
 
     try:
         child = _Child(role, json.loads(spec_json))
-        emit({"ok": True, **child.endpoint()})
+        emit({"ok": True, "id": 0, **child.endpoint()})
     except Exception:
-        emit({"ok": False, "error": traceback.format_exc()})
+        emit({"ok": False, "id": 0, "error": traceback.format_exc()})
         os._exit(1)
     for line in sys.stdin:
         msg = json.loads(line)
-        cmd = msg.pop("cmd")
+        cmd, seq = msg.pop("cmd"), msg.pop("id")
         if cmd == "close":
             try:
                 child.backend.close()
             except Exception:
                 traceback.print_exc()
-            emit({"ok": True})
+            emit({"ok": True, "id": seq})
             break
         try:
-            emit({"ok": True, **getattr(child, cmd)(**msg)})
+            emit({"ok": True, "id": seq, **getattr(child, cmd)(**msg)})
         except Exception:
-            emit({"ok": False, "error": traceback.format_exc()})
+            emit({"ok": False, "id": seq, "error": traceback.format_exc()})
     sys.stderr.flush()
     # Skip the interpreter's teardown, as the scheduler process does: some transports (NIXL/UCX)
     # crash in static destructors at exit after everything has been closed.

@@ -41,6 +41,10 @@ class NixlTransferBackend(RoomTableBackend):
     """Transfer backend ``nixl``: one NIXL WRITE per room with a notification that carries the
     metadata; progress is driven by the schedulers' polls."""
 
+    # link_error() is not implemented yet: a transfer to a dead peer fails at once (NIXL reports
+    # the error per transfer), but nothing reports the link itself between transfers.
+    conformance_optional = frozenset({"link_error_sender", "link_error_receiver"})
+
     def __init__(self, role: str, layout: KVLayout, options: NixlOptions) -> None:
         super().__init__(role, layout, options)
         try:

@@ -43,6 +43,8 @@ class LifoRequestPool(RequestPool):
 
     def free(self, slots: int | Iterable[int]) -> None:
         rows = [slots] if isinstance(slots, int) else list(slots)
+        if len(set(rows)) != len(rows):  # else the row went onto the stack twice: handed out twice
+            raise ValueError(f"rows {rows} free the same row twice")
         for row in rows:
             if row not in self._in_use:
                 raise ValueError(f"row {row} is not in use")
