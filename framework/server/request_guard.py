@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -222,5 +221,3 @@ def shutting_down_error() -> APIError:
     return APIError(503, "the server is shutting down: the request did not finish within the grace "
                          "period (server.shutdown_timeout_s)", code="server_shutting_down")
 
-
-__all__: list[Any] = ["GuardLimits", "Lifecycle", "OVER_CAPACITY", "RequestGuard", "shutting_down_error"]
