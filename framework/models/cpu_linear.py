@@ -2,12 +2,16 @@
 inference on CPU.
 
 Why: torch's fp32 ``F.linear`` goes through MKL's sgemm on the plain weight layout, which measured
-136-160 GFLOP/s for prefill-sized GEMMs on this project's 2-core AMD Zen 4 host (AVX-512, and
-native bf16 dot products) and ~9-12 GB/s of weight reads for the single-token GEMV. oneDNN's
-inner-product primitive with the weight reordered once into its blocked layout (what
-``torch.compile``'s CPU freezing pass does) measured ~200 GFLOP/s and ~1.4x faster GEMV there. The
-code needs neither AVX-512 nor bf16 instructions: it asks torch what oneDNN supports. Reordering
+90-160 GFLOP/s for prefill-sized GEMMs on this project's 2-core hosts (AVX2-only ones and a Zen 4
+with AVX-512 and bf16 dot products) and ~9-12 GB/s of weight reads for the single-token GEMV.
+oneDNN's inner-product primitive with the weight reordered once into its blocked layout (what
+``torch.compile``'s CPU freezing pass does) measured ~200 GFLOP/s and ~1.4x faster GEMV. The code
+needs neither AVX-512 nor bf16 instructions: it asks torch what oneDNN supports here. Reordering
 costs a copy per weight at load time and nothing per call.
+
+Row counts: oneDNN builds (and caches, in two LRU caches of 1024 entries) one primitive per input
+shape, so packed GEMMs run at a bounded set of row counts (:func:`bucket_rows`): with a new count
+per prefill batch the caches evicted on nearly every call and the churn fragmented glibc's heap.
 
 Numerics: oneDNN accumulates in a different order than MKL, so results differ from ``F.linear`` by
 float32 rounding (~1e-6 relative); greedy outputs stay equal to transformers' on the test models.
@@ -21,6 +25,7 @@ plain weight layout; packed, the same GEMMs measured 1.1x (1024 rows), 1.3x (64 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
@@ -30,6 +35,50 @@ logger = logging.getLogger(__name__)
 # The batch-size hint only picks oneDNN's weight blocking; one reorder serves every batch size. A
 # decode-sized hint measured best for the GEMV that dominates single-request decode.
 _BATCH_SIZE_HINT = 64
+
+#: Row counts up to this many reach oneDNN as they are; larger ones are padded (see ``bucket_rows``).
+_EXACT_ROWS = 32
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a packed GEMM of ``rows`` rows runs at: ``rows`` itself up to 32, else rounded
+    up to a multiple of an eighth of its power of two (33..64 in steps of 4, 65..128 in steps of 8,
+    ...): at most 12.5% more rows, zeros, sliced off the result.
+
+    Why: oneDNN builds (JIT-compiles) a primitive per input shape, and torch keeps them in two LRU
+    caches of 1024 entries (ideep's ``LRU_CACHE_CAPACITY`` and oneDNN's
+    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). With every prefill batch a new row count both caches
+    evicted on most calls, and the primitives allocated and freed between each step's tensors
+    fragmented glibc's heap: the scheduler's idle RSS rose by 425 MB over 10k requests and was
+    still rising (``scripts/soak/scheduler_memory.py``, embedded model; the heap's free bytes grew
+    while its live bytes stayed flat). Bucketed, a CPU server with the default budgets (prefill <=
+    1024 rows, decode <= 256) has at most 72 row counts per layer shape, so the caches stop
+    evicting. A row's result does not depend on the row count (fp32 here: bitwise equal), so the
+    padding changes no output.
+    """
+    if rows <= _EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def _padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as contiguous 2-D rows, zero rows appended up to ``bucket_rows``."""
+    x = x.reshape(-1, x.shape[-1])
+    rows = x.shape[0]
+    target = bucket_rows(rows)
+    if target == rows:
+        return x.contiguous()
+    out = x.new_empty((target, x.shape[1]))
+    out[:rows] = x
+    out[rows:].zero_()
+    return out
+
+
+def _unpadded(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The rows of ``y`` that belong to ``like``'s rows, in ``like``'s leading shape (a view)."""
+    lead = like.shape[:-1]
+    return y[: math.prod(lead)].view(*lead, y.shape[-1])
 
 
 def packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -72,15 +121,17 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # oneDNN wants a dense row-major input; the model's inputs already are, so this is free.
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(_padded_rows(x), self.packed_weight, self.bias, "none", [], "")
+        return _unpadded(y, x)
 
     def forward_add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``linear(x) + other`` with the add done by oneDNN as a post-op while the output tile is
         still in cache (bitwise equal to the separate add: IEEE addition is commutative). Measured
         1-4% faster than GEMM-then-add at 1 and 64 rows, equal at 1024; it also saves an allocation."""
-        return torch.ops.mkldnn._linear_pointwise.binary(
-            x.contiguous(), other.contiguous(), self.packed_weight, self.bias, "add"
+        y = torch.ops.mkldnn._linear_pointwise.binary(
+            _padded_rows(x), _padded_rows(other), self.packed_weight, self.bias, "add"
         )
+        return _unpadded(y, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -106,11 +157,12 @@ class PackedSwiGLU(nn.Module):
         self.up_bias = None if bias is None else bias.detach()[half:].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, self.gate_bias, "swish", [], "")
+        rows = _padded_rows(x)
+        gate = torch.ops.mkldnn._linear_pointwise(rows, self.gate, self.gate_bias, "swish", [], "")
         # In place into the gate output. oneDNN's binary "mul" post-op on the up GEMM measured ~5%
         # slower at 1 and 64 rows (and equal at 1024), so the multiply stays a separate pass.
-        return gate.mul_(torch.ops.mkldnn._linear_pointwise(x, self.up, self.up_bias, "none", [], ""))
+        gate.mul_(torch.ops.mkldnn._linear_pointwise(rows, self.up, self.up_bias, "none", [], ""))
+        return _unpadded(gate, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (silu(gate) * up)"
