@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from framework.config.schema import Device
 from framework.errors import ConfigError
@@ -102,7 +102,7 @@ def check_component_capabilities(cfg: DictConfig, registry: Any) -> None:
     rows for a PD decode server)."""
     device = cfg.device.device.value
     for key, kind in DEVICE_CHECKED:
-        name = _select(cfg, key)
+        name = OmegaConf.select(cfg, key)
         caps = registry.get(kind, name, key=key).capabilities
         if device not in caps.devices:
             here = [n for n in registry.names(kind) if device in registry.get(kind, n).capabilities.devices]
@@ -117,8 +117,3 @@ def check_component_capabilities(cfg: DictConfig, registry: Any) -> None:
                 f"memory_pool.name: disaggregation.mode=decode needs a pool that pre-allocates rows for requests "
                 f"whose KV is in flight, and {pool!r} does not (pools that do: {', '.join(with_it) or 'none'})")
 
-
-def _select(cfg: DictConfig, key: str) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, key)

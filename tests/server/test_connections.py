@@ -58,6 +58,23 @@ def _read_all(sock: socket.socket, within: float) -> tuple[bytes, float]:
     return data, time.monotonic() - start
 
 
+def _trickle(server: Server, head: bytes, pieces: list[bytes], gap_s: float) -> tuple[bytes, float]:
+    """Send ``head``, then ``pieces`` one every ``gap_s``; what the server answered until it
+    closed, and how long after the trickle started."""
+    with _connect(server) as sock:
+        if head:
+            sock.sendall(head)
+        start = time.monotonic()
+        try:
+            for piece in pieces:
+                sock.sendall(piece)
+                time.sleep(gap_s)
+        except OSError:
+            pass  # the server closed on us: what the caller asserts
+        data, _ = _read_all(sock, within=30)
+        return data, time.monotonic() - start
+
+
 def _json_status(data: bytes) -> tuple[int, dict]:
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), json.loads(body)
@@ -72,16 +89,7 @@ def test_idle_connection_is_closed(guarded: Server) -> None:
 def test_slow_headers_get_408_and_close(guarded: Server) -> None:
     lines = [b"POST /generate HTTP/1.1\r\n", b"Host: x\r\n", b"Content-Type: application/json\r\n",
              b"X-Slow: 1\r\n", b"X-Slow: 2\r\n", b"X-Slow: 3\r\n"]
-    with _connect(guarded) as sock:
-        start = time.monotonic()
-        try:
-            for line in lines:  # a line every 0.6 s: never complete within the header deadline
-                sock.sendall(line)
-                time.sleep(0.6)
-        except OSError:
-            pass  # the server closed on us: what is asserted below
-        data, _ = _read_all(sock, within=30)
-        took = time.monotonic() - start
+    data, took = _trickle(guarded, b"", lines, gap_s=0.6)  # never complete within the header deadline
     status, body = _json_status(data)
     assert status == 408 and body["error"]["code"] == "request_timeout", data
     assert took < HEADER_TIMEOUT_S + 5
@@ -90,17 +98,7 @@ def test_slow_headers_get_408_and_close(guarded: Server) -> None:
 def test_slow_body_gets_408_and_close(guarded: Server) -> None:
     head = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Authorization: Bearer " + ENV_API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n")
-    with _connect(guarded) as sock:
-        sock.sendall(head)
-        start = time.monotonic()
-        try:
-            for _ in range(10):  # a byte every 0.5 s
-                sock.sendall(b" ")
-                time.sleep(0.5)
-        except OSError:
-            pass
-        data, _ = _read_all(sock, within=30)
-        took = time.monotonic() - start
+    data, took = _trickle(guarded, head, [b" "] * 10, gap_s=0.5)  # a byte every 0.5 s
     status, body = _json_status(data)
     assert status == 408 and body["error"]["code"] == "request_timeout", data
     assert took < BODY_TIMEOUT_S + 5
