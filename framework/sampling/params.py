@@ -15,6 +15,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from framework.sampling.logit_bias import check_logit_bias, normalize_logit_bias
+
 GREEDY_TEMPERATURE_EPS = 1e-5
 """Temperatures below this are treated as greedy. Dividing logits by a near-zero temperature
 overflows float32 to inf and softmax then yields NaN; vLLM uses the same cut-off."""
@@ -71,6 +73,9 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     """With a seed, the request's tokens do not depend on what else shares its batch."""
+    logit_bias: dict[int, float] | None = None
+    """OpenAI semantics: token id -> bias in [-100, 100] added to the raw logits before every other
+    step (``framework.sampling.logit_bias``). Clients' string keys (``{"50256": -100}``) become ints."""
 
     def __post_init__(self) -> None:
         # Clients commonly send a single stop string, and top_k=0 as "off" (vLLM accepts both).
@@ -83,6 +88,7 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if _is_int(self.top_k) and self.top_k == 0:
             self.top_k = -1
+        self.logit_bias = normalize_logit_bias(self.logit_bias)
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -125,6 +131,7 @@ class SamplingParams:
             upper = f"{vocab_size})" if vocab_size is not None else "inf)"
             ok = tid >= 0 and (vocab_size is None or tid < vocab_size)
             _require(ok, "stop_token_ids", tid, f"in [0, {upper}")
+        check_logit_bias(self.logit_bias, vocab_size)
 
     def _check_types(self) -> None:
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
@@ -155,6 +162,8 @@ class SamplingParams:
         out = asdict(self)
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        # JSON object keys are strings; __post_init__ turns them back into token ids.
+        out["logit_bias"] = {str(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
         return out
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Batched sampling on the device: penalties -> temperature -> top-k -> top-p -> min-p -> sample.
+"""Batched sampling on the device: logit bias -> penalties -> temperature -> top-k -> top-p -> min-p -> sample.
 
 The pipeline follows Hugging Face ``generate`` (and vLLM / SGLang) step for step, and the tests
 check the distribution it samples from against ``transformers.generation.logits_process`` row by
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from framework.sampling.logit_bias import BatchLogitBias, apply_logit_bias
 from framework.sampling.params import SamplingParams
 from framework.sampling.penalties import PenaltyState
 
@@ -73,6 +74,8 @@ class SamplingBatchInfo:
     need_min_p: bool = False
     max_top_k: int = 0
     """Largest active top-k (for the cheap ``torch.topk`` path when top-p is off)."""
+    logit_bias: BatchLogitBias | None = None
+    """The rows' ``logit_bias`` entries (None when no row has one)."""
 
     @property
     def batch_size(self) -> int:
@@ -152,6 +155,7 @@ class SamplingBatchInfo:
             need_top_p=any(cutoffs[i] >= 0 for i in sampled),
             need_min_p=any(min_ps[i] > 0 for i in sampled),
             max_top_k=max((ks[i] for i in sampled if ks[i] < vocab_size), default=0),
+            logit_bias=BatchLogitBias.build([p.logit_bias for p in params], device),
         )
 
     # ----------------------------------------------------------------------------------------------
@@ -221,7 +225,8 @@ class Sampler:
         """
         _check_shapes(logits, info)
         logits = logits.float()  # no-op for float32; bf16 logits would lose top-p/min-p precision
-        scores = info.penalties.apply(logits) if info.penalties is not None else logits
+        biased = apply_logit_bias(logits, info.logit_bias)  # before penalties: the EOS mask wins
+        scores = info.penalties.apply(biased) if info.penalties is not None else biased
         if info.all_greedy:
             next_ids = scores.argmax(dim=-1)
         else:
@@ -240,7 +245,8 @@ class Sampler:
         rows. For tests and debugging; :meth:`sample` never materialises the normalised form."""
         _check_shapes(logits, info)
         logits = logits.float()
-        scores = info.penalties.apply(logits) if info.penalties is not None else logits
+        biased = apply_logit_bias(logits, info.logit_bias)
+        scores = info.penalties.apply(biased) if info.penalties is not None else biased
         probs = filtered_probs(scores, info, normalize=True)
         if info.any_greedy:
             one_hot = torch.zeros_like(probs).scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)

@@ -32,7 +32,6 @@ async def list_models(request: Request) -> Response:
 
 def _check_common(server: ServerState, body: OpenAISampling) -> None:
     server.check_model(body.model)
-    require(not body.logit_bias, "logit_bias is not supported by this server", "logit_bias")
     require(body.stream_options is None or bool(body.stream),
             "stream_options is only allowed when stream is true", "stream_options")
 

@@ -2,7 +2,7 @@
 
 The OpenAI models forbid unknown fields and are strict about types, as OpenAI is: a typo such as
 ``max_token`` is a 400 naming the field, not a silently ignored setting. Fields OpenAI accepts but
-plugserve does not implement (tools, logit_bias, ...) are declared, so that setting them gets a
+plugserve does not implement (``suffix``, ``best_of`` != n, ...) are declared, so that setting them gets a
 clear "not supported" instead of "unrecognized". SGLang's extras (``top_k``, ``min_p``, ``rid``,
 ...) are accepted on both OpenAI routes, as SGLang and vLLM accept them.
 """
@@ -94,7 +94,7 @@ class OpenAISampling(SGLangExtras):
         return {
             "temperature": self.temperature, "top_p": self.top_p, "n": self.n, "stop": self.stop,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "seed": self.seed, **self.sglang_sampling(),
+            "seed": self.seed, "logit_bias": self.logit_bias, **self.sglang_sampling(),
         }
 
 

@@ -62,7 +62,8 @@ CASES = [
     ("tools", CHAT, {"model": MODEL, "messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools"),
     ("image part", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content"),
-    ("logit_bias", COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("logit_bias out of range", COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
+    ("logit_bias bad token", CHAT, {"model": MODEL, "messages": MSGS, "logit_bias": {"abc": 5}}, 400, "logit_bias"),
     ("generate: no prompt", "/generate", {"sampling_params": {}}, 400, "text"),
     ("generate: unknown sampling param", "/generate", {"text": "x", "sampling_params": {"max_tokens": 3}}, 400,
      None),
