@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from framework.sampling.grammar_mask import apply_token_bitmask
 from framework.sampling.logit_bias import BatchLogitBias, apply_logit_bias
 from framework.sampling.params import SamplingParams
 from framework.sampling.penalties import PenaltyState
@@ -76,6 +77,9 @@ class SamplingBatchInfo:
     """Largest active top-k (for the cheap ``torch.topk`` path when top-p is off)."""
     logit_bias: BatchLogitBias | None = None
     """The rows' ``logit_bias`` entries (None when no row has one)."""
+    token_bitmask: torch.Tensor | None = None
+    """Constrained decoding: int32 ``[bs, ceil(V / 32)]`` allowed-token bits of this step
+    (:mod:`framework.sampling.grammar_mask`), set by the scheduler each step; None: no row is constrained."""
 
     @property
     def batch_size(self) -> int:
@@ -227,6 +231,8 @@ class Sampler:
         logits = logits.float()  # no-op for float32; bf16 logits would lose top-p/min-p precision
         biased = apply_logit_bias(logits, info.logit_bias)  # before penalties: the EOS mask wins
         scores = info.penalties.apply(biased) if info.penalties is not None else biased
+        if info.token_bitmask is not None:  # after penalties: a disallowed token stays impossible
+            scores = apply_token_bitmask(scores, info.token_bitmask)
         if info.all_greedy:
             next_ids = scores.argmax(dim=-1)
         else:
@@ -247,6 +253,8 @@ class Sampler:
         logits = logits.float()
         biased = apply_logit_bias(logits, info.logit_bias)
         scores = info.penalties.apply(biased) if info.penalties is not None else biased
+        if info.token_bitmask is not None:  # after penalties: a disallowed token stays impossible
+            scores = apply_token_bitmask(scores, info.token_bitmask)
         probs = filtered_probs(scores, info, normalize=True)
         if info.any_greedy:
             one_hot = torch.zeros_like(probs).scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
