@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from framework.sampling.constraints import CONSTRAINT_FIELDS, check_constraints, normalize_constraint
 from framework.sampling.logit_bias import check_logit_bias, normalize_logit_bias
 
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -76,6 +77,16 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """OpenAI semantics: token id -> bias in [-100, 100] added to the raw logits before every other
     step (``framework.sampling.logit_bias``). Clients' string keys (``{"50256": -100}``) become ints."""
+    json_schema: str | None = None
+    """Constrained decoding (``framework.sampling.constraints``): the output is JSON valid against
+    this schema (JSON text). At most one of ``json_schema``, ``regex``, ``ebnf``, ``structural_tag``."""
+    regex: str | None = None
+    """Constrained decoding: the output fully matches this regular expression."""
+    ebnf: str | None = None
+    """Constrained decoding: the output is a sentence of this EBNF grammar (GBNF syntax, ``root`` rule)."""
+    structural_tag: str | None = None
+    """Constrained decoding: SGLang's structural tag (JSON text): free text, with each trigger's
+    section constrained by its schema."""
 
     def __post_init__(self) -> None:
         # Clients commonly send a single stop string, and top_k=0 as "off" (vLLM accepts both).
@@ -89,6 +100,8 @@ class SamplingParams:
         if _is_int(self.top_k) and self.top_k == 0:
             self.top_k = -1
         self.logit_bias = normalize_logit_bias(self.logit_bias)
+        for name in CONSTRAINT_FIELDS:
+            setattr(self, name, normalize_constraint(name, getattr(self, name)))
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -132,6 +145,7 @@ class SamplingParams:
             ok = tid >= 0 and (vocab_size is None or tid < vocab_size)
             _require(ok, "stop_token_ids", tid, f"in [0, {upper}")
         check_logit_bias(self.logit_bias, vocab_size)
+        check_constraints(self)
 
     def _check_types(self) -> None:
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
