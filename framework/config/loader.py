@@ -154,6 +154,8 @@ def _check_values(cfg: DictConfig) -> None:
         ("server.header_read_timeout_s", cfg.server.header_read_timeout_s > 0, "> 0"),
         ("server.body_read_timeout_s", cfg.server.body_read_timeout_s > 0, "> 0"),
         ("server.shutdown_timeout_s", cfg.server.shutdown_timeout_s >= 0, ">= 0"),
+        ("server.enable_custom_logit_processor", not cfg.server.enable_custom_logit_processor,
+         "false (custom logit processors are serialized Python code from the client, which plugserve never runs)"),
         ("cuda_graph.max_batch_size", cfg.cuda_graph.max_batch_size >= 1, ">= 1"),
         ("cuda_graph.num_warmup_runs", cfg.cuda_graph.num_warmup_runs >= 1, ">= 1"),
         (

@@ -55,7 +55,13 @@ class ModelConfig:
     context_length: Optional[int] = None
     """Longest request (prompt + output); default: the model's max_position_embeddings."""
     served_model_name: Optional[str] = None
-    """Name in /v1/models and the ``model`` field; default: the directory's name."""
+    """Name in /v1/models and the ``model`` field; default: the directory's name. Requests may
+    also name the model by ``path`` (what SGLang's and vLLM's clients send by default)."""
+    skip_tokenizer_init: bool = False
+    """Serve without loading a tokenizer (the model directory needs none): requests send token ids
+    (``input_ids``, or a list of ids as a completion ``prompt``) and read ``output_ids``; anything
+    that needs text (text prompts, chat, stop strings, echo, token texts in logprobs, /v1/tokenize)
+    is a 400 naming the field. SGLang's ``--skip-tokenizer-init``."""
     options: Any = field(default_factory=dict)
     """Options of the model plugin (validated against its options dataclass)."""
 
@@ -224,6 +230,14 @@ class ServerConfig:
     """How long to wait for the scheduler process to load the model."""
     health_check_timeout_s: float = 20.0
     """/health_generate gives up after this long."""
+    sglang_metric_names: bool = False
+    """/metrics also exports SGLang's metric names (``sglang:num_running_reqs``, ``sglang:token_usage``,
+    ``sglang:time_to_first_token_seconds``, ... labelled ``model_name``), so dashboards built for
+    SGLang work unchanged. plugserve's own ``plugserve_*`` names are always exported."""
+    enable_custom_logit_processor: bool = False
+    """SGLang's switch for ``custom_logit_processor``, which is dill-serialized Python code sent by the
+    client and executed by the server. plugserve never runs code from a request: true is refused at
+    start, and the field is a 400 (see docs/api.md)."""
     shutdown_timeout_s: float = 10.0
     """On SIGTERM / Ctrl-C: how long open requests may finish (then each still open gets a 503, or
     in a stream a final chunk with finish reason abort, an error event and ``[DONE]``), then how

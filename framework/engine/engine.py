@@ -29,7 +29,7 @@ Prompt = str | list[int]
 def eos_token_ids(generation_defaults: dict[str, Any], tokenizer: Any) -> list[int]:
     """EOS ids from generation_config.json, else the tokenizer's."""
     ids = generation_defaults.get("eos_token_id")
-    if ids is None:
+    if ids is None and tokenizer is not None:  # no tokenizer: model.skip_tokenizer_init
         ids = tokenizer.eos_token_id
     if ids is None:
         return []

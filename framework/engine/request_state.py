@@ -38,20 +38,25 @@ class RequestState:
         prompt_ids: list[int],
         params: SamplingParams,
         return_logprob: bool = False,
+        token_ids_logprob: list[int] | None = None,
     ) -> None:
         self.rid = rid
         self.params = params
         self.return_logprob = return_logprob
-        self.detok = IncrementalDetokenizer(
+        self.token_ids_logprob = token_ids_logprob
+        # No tokenizer (model.skip_tokenizer_init): ids in, ids out, and the text stays empty.
+        self.detok = None if tokenizer is None else IncrementalDetokenizer(
             tokenizer, prompt_ids, params.skip_special_tokens, params.spaces_between_special_tokens
         )
         self.stops = StopStringMatcher(list(params.stop)) if params.stop else None
         self.created = time.monotonic()
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.text = ""
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.output_token_ids_logprobs: list[list[tuple[int, float]]] = []
         self.input_logprobs: list[float | None] | None = None
         self.input_top_logprobs: list[Any] | None = None
         self.prompt_ids = prompt_ids
@@ -65,8 +70,10 @@ class RequestState:
 
     def apply(self, out: RequestOutput) -> str:
         """Take one delta; return the text it adds (never a split stop string)."""
-        if out.new_token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        if out.new_token_ids:
+            self.last_token_at = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = self.last_token_at
         self.output_ids.extend(out.new_token_ids)
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
@@ -74,12 +81,15 @@ class RequestState:
             self.output_logprobs.extend(out.new_logprobs)
         if out.new_top_logprobs:
             self.output_top_logprobs.extend(out.new_top_logprobs)
+        if out.new_token_ids_logprobs:
+            self.output_token_ids_logprobs.extend(out.new_token_ids_logprobs)
         if out.input_logprobs is not None:
             self.input_logprobs = out.input_logprobs
             self.input_top_logprobs = out.input_top_logprobs
-        delta = self.detok.add(out.new_token_ids) if not self._stopped_by_string else ""
-        if out.finished:
-            delta += self.detok.flush() if not self._stopped_by_string else ""
+        detok = self.detok if not self._stopped_by_string else None
+        delta = detok.add(out.new_token_ids) if detok is not None else ""
+        if out.finished and detok is not None:
+            delta += detok.flush()
         if self.stops is not None and not self._stopped_by_string:
             delta = self.stops.feed(delta)
             if self.stops.stopped:
@@ -118,6 +128,10 @@ class RequestState:
             ]
             if self.output_top_logprobs:
                 meta["output_top_logprobs"] = [[[lp, t] for t, lp in row] for row in self.output_top_logprobs]
+            if self.token_ids_logprob:
+                # SGLang's shape: per output position, [logprob, token_id] of each requested id.
+                meta["output_token_ids_logprobs"] = [[[lp, t] for t, lp in row]
+                                                     for row in self.output_token_ids_logprobs]
             if self.input_logprobs is not None:
                 # SGLang's shape: [logprob, token_id] per prompt token from logprob_start_len on
                 # (the first prompt token has no logprob: None).

@@ -40,6 +40,9 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per row the ``top_logprobs_nums[i]`` best raw-logit tokens with their logprobs (empty list
     for rows that asked for none); None when no numbers were passed."""
+    token_ids_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per row (token id, raw-logit logprob) of each id the row asked for (``token_ids``); None
+    when none were passed."""
 
 
 @dataclass(eq=False)  # tensors inside: identity, not elementwise ==
@@ -221,11 +224,13 @@ class Sampler:
         top_logprobs_nums: list[int] | None = None,
         *,
         return_logprobs: bool = True,
+        token_ids: list[list[int]] | None = None,
     ) -> SampleOutput:
         """Sample one token per row of ``logits`` ([bs, V] float32, left unmodified).
 
         ``return_logprobs=False`` skips the [bs, V] log-softmax when no request of the batch wants
         logprobs (``top_logprobs_nums`` still works and computes it if some row asks).
+        ``token_ids[i]``: ids whose logprobs row i reports (SGLang's ``token_ids_logprob``).
         """
         _check_shapes(logits, info)
         logits = logits.float()  # no-op for float32; bf16 logits would lose top-p/min-p precision
@@ -244,7 +249,10 @@ class Sampler:
             next_ids = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
             if info.any_greedy:
                 next_ids = torch.where(info.greedy_mask, scores.argmax(dim=-1), next_ids)
-        return _with_logprobs(logits, next_ids, top_logprobs_nums, return_logprobs)
+        out = _with_logprobs(logits, next_ids, top_logprobs_nums, return_logprobs)
+        if token_ids:
+            out.token_ids_logprobs = logprobs_of_ids(logits, token_ids)
+        return out
 
     def processed_probs(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """[bs, V] float32 distribution each row samples from: one-hot at the argmax for greedy
@@ -339,6 +347,18 @@ def _with_logprobs(
             for row, num in enumerate(top_logprobs_nums):
                 top[row] = list(zip(ids_list[row][:num], lp_list[row][:num], strict=True))
     return SampleOutput(next_ids, chosen, top)
+
+
+def logprobs_of_ids(logits: torch.Tensor, token_ids: list[list[int]]) -> list[list[tuple[int, float]]]:
+    """Per row, (id, raw-logit logprob) of each id in ``token_ids[row]``: one gather and one
+    device->host copy for the batch, rows padded to the longest list."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    if width == 0:
+        return [[] for _ in token_ids]
+    padded = torch.tensor([ids + [0] * (width - len(ids)) for ids in token_ids], dtype=torch.int64,
+                          device=logits.device)
+    values = torch.log_softmax(logits.float(), dim=-1).gather(1, padded).tolist()
+    return [list(zip(ids, row[:len(ids)], strict=True)) for ids, row in zip(token_ids, values, strict=True)]
 
 
 def _check_shapes(logits: torch.Tensor, info: SamplingBatchInfo) -> None:

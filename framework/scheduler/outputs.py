@@ -29,6 +29,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     input_logprobs: list[float | None] | None = None
     """Prompt logprobs (sent once, with the first output); None for the first prompt token."""
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    new_token_ids_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per new token, (token id, logprob) of each of the request's ``token_ids_logprob``."""
     error: str | None = None
     """Set when the request failed (finish_reason type ``abort``): the message for the client."""
 
@@ -50,6 +52,8 @@ def delta_of(r: Req) -> RequestOutput:
         out.new_logprobs = r.output_logprobs[start:]
         if r.top_logprobs_num:
             out.new_top_logprobs = r.output_top_logprobs[start:]
+        if r.token_ids_logprob:
+            out.new_token_ids_logprobs = r.output_token_ids_logprobs[start:]
         if r.sent_input_logprobs == 0 and r.input_logprobs:
             out.input_logprobs = list(r.input_logprobs)
             out.input_top_logprobs = list(r.input_top_logprobs) if r.top_logprobs_num else None

@@ -44,6 +44,10 @@ class Req:
     group: str | None = None
     """The HTTP request (batch or ``n`` choices) this one came in with; fair admission takes
     waiting requests round-robin across groups. None: a group of its own."""
+    priority: int | None = None
+    """Scheduling priority for policies that read it (None: the policy's default)."""
+    token_ids_logprob: list[int] | None = None
+    """Report the logprobs of these token ids at every output position (SGLang's field)."""
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
@@ -67,6 +71,7 @@ class Req:
     # Outputs (logprobs are of the raw model distribution).
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     first_token_time: float | None = None

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from framework.engine.request_state import RequestState
+from framework.server.errors import APIError
 from framework.server.group_response import released_on_error, request_errors, stream_events, wait_all
 from framework.server.http_utils import finite, parse_model, require_bearer, sse
 from framework.server.openai_format import TokenText
@@ -25,7 +26,8 @@ from framework.server.tokenizer_manager import Event, SubRequest
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default ``max_new_tokens`` (capped by what the context leaves after the prompt)."""
-_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
+_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs",
+                 "output_token_ids_logprobs")
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
@@ -42,7 +44,7 @@ async def _prompts(server: ServerState, body: GenerateRequest) -> tuple[list[lis
         texts = [body.text] if isinstance(body.text, str) else body.text
         require(len(texts) > 0, "text must not be an empty list", "text")
         server.builder.check_sequence_count(len(texts), len(texts))  # before tokenizing any
-        return [await server.builder.tokenize(t) for t in texts], isinstance(body.text, str)
+        return [await server.builder.tokenize(t, "text") for t in texts], isinstance(body.text, str)
     ids = body.input_ids or []
     single = not ids or isinstance(ids[0], int)
     prompts = [list(ids)] if single else [list(p) for p in ids]  # type: ignore[arg-type]
@@ -55,6 +57,7 @@ async def generate(request: Request) -> Response:
     server: ServerState = request.app.state.server
     require_bearer(request, server.api_key)
     body = await parse_model(request, GenerateRequest, server.body_limits)
+    _check_sglang_fields(server, body)
     prompts, single = await _prompts(server, body)
     count = len(prompts)
     sampling = _per_prompt(body.sampling_params or {}, count, "sampling_params")
@@ -62,6 +65,10 @@ async def generate(request: Request) -> Response:
     top_nums = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
     starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
     user_rids = _per_prompt(body.rid, count, "rid") if isinstance(body.rid, list) else None
+    token_ids = body.token_ids_logprob
+    per_prompt_ids = token_ids if token_ids and isinstance(token_ids[0], list) else [token_ids] * count
+    require(len(per_prompt_ids) == count, f"token_ids_logprob has {len(per_prompt_ids)} lists for {count} prompts",
+            "token_ids_logprob")
     group_rid = body.rid if isinstance(body.rid, str) else new_rid()
 
     where = "input_ids" if body.input_ids is not None else "text"
@@ -76,6 +83,7 @@ async def generate(request: Request) -> Response:
         server.builder.check_length(ids, params, where, "max_new_tokens")
         server.builder.check_top_logprobs(top_nums[i], "top_logprobs_num")
         require(starts[i] >= -1, "logprob_start_len must be >= -1", "logprob_start_len")
+        server.builder.check_token_ids(per_prompt_ids[i] or [], "token_ids_logprob")
     rids = sub_rids(group_rid, total)
     subs: list[SubRequest] = []
     for i, (ids, params) in enumerate(plans):
@@ -83,7 +91,8 @@ async def generate(request: Request) -> Response:
         if user_rids is not None:
             mine = sub_rids(user_rids[i], params.n)
         subs += server.builder.expand(mine, ids, params, return_logprob=bool(want_lp[i]),
-                                      top_logprobs_num=top_nums[i], logprob_start_len=starts[i])
+                                      top_logprobs_num=top_nums[i], logprob_start_len=starts[i],
+                                      priority=body.priority, token_ids_logprob=per_prompt_ids[i])
     attach_bootstrap(subs, body)
     text_of = server.token_text if body.return_text_in_logprobs else None
     batch = not (single and len(subs) == 1)
@@ -112,6 +121,20 @@ async def generate(request: Request) -> Response:
     request_errors(group)
     results = [_result(st, text_of) for st in group.states]
     return JSONResponse(results if batch else results[0])
+
+
+def _check_sglang_fields(server: ServerState, body: GenerateRequest) -> None:
+    """SGLang's request fields that need more than the sampling parameters."""
+    if body.custom_logit_processor is not None and any(p is not None for p in (
+            body.custom_logit_processor if isinstance(body.custom_logit_processor, list)
+            else [body.custom_logit_processor])):
+        raise APIError(400, "custom_logit_processor is refused: SGLang sends it as dill-serialized Python code "
+                       "that the server would execute, and plugserve never runs code from a request "
+                       "(server.enable_custom_logit_processor cannot be turned on; see docs/api.md)",
+                       param="custom_logit_processor", code="unsupported")
+    if body.return_text_in_logprobs:
+        server.require_tokenizer("return_text_in_logprobs", "return_text_in_logprobs")
+    server.builder.check_priority(body.priority)
 
 
 def _result(state: RequestState, text_of: TokenText | None) -> dict[str, Any]:

@@ -29,6 +29,8 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    priority: int | None = None
+    token_ids_logprob: list[int] | None = None
 
 
 class GenerateBatch(msgspec.Struct, tag="generate_batch"):

@@ -94,7 +94,8 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
         loop.add_signal_handler(sig, stop.set)
     model = settings.model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or model.path)
+        tokenizer = None if model.skip_tokenizer_init else AutoTokenizer.from_pretrained(
+            model.tokenizer_path or model.path)
     except Exception as exc:  # a wrong path is a user error: one line, not a traceback
         logger.error("cannot load the tokenizer of %s: %s", model.tokenizer_path or model.path, exc)
         return EXIT_FAILED

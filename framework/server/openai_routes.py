@@ -25,13 +25,12 @@ _NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 async def list_models(request: Request) -> Response:
     server: ServerState = request.app.state.server
     require_bearer(request, server.api_key)
-    card = {"id": server.model_name, "object": "model", "created": int(server.started), "owned_by": "plugserve",
-            "root": server.model_info.get("model_path"), "max_model_len": server.builder.context_len}
-    return JSONResponse({"object": "list", "data": [card]})
+    return JSONResponse({"object": "list", "data": [server.model_card()]})
 
 
 def _check_common(server: ServerState, body: OpenAISampling) -> None:
     server.check_model(body.model)
+    server.builder.check_priority(body.priority)
     require(body.stream_options is None or bool(body.stream),
             "stream_options is only allowed when stream is true", "stream_options")
 
@@ -70,6 +69,9 @@ async def completions(request: Request) -> Response:
     lp_num = body.logprobs
     if lp_num is not None:
         server.builder.check_top_logprobs(lp_num, "logprobs")
+        server.require_tokenizer("logprobs", "logprobs (they report token texts)")
+    if body.echo:
+        server.require_tokenizer("echo", "echo")
     require(not (body.echo and lp_num is not None), "echo together with logprobs is not supported", "echo")
     # OpenAI and vLLM: at least one token, except that echo with max_tokens 0 returns the prompt alone.
     require(body.max_tokens != 0 or bool(body.echo),
@@ -84,7 +86,7 @@ async def completions(request: Request) -> Response:
                                                 default_max_tokens=16, names=_NAMES)
         server.builder.check_length(ids, params, "prompt", "max_tokens")
         subs += server.builder.expand(rids[i * n:(i + 1) * n], ids, params, return_logprob=lp_num is not None,
-                                      top_logprobs_num=lp_num or 0)
+                                      top_logprobs_num=lp_num or 0, priority=body.priority)
     attach_bootstrap(subs, body)
     echo = None
     if body.echo:
@@ -141,7 +143,7 @@ async def _stream_completion(request: Request, server: ServerState, group: Reque
     return await stream_events(request, server.manager, group, render, tail)
 
 
-def _message_dict(index: int, msg: ChatMessage) -> dict[str, Any]:
+def message_dict(index: int, msg: ChatMessage) -> dict[str, Any]:
     """A message as the chat template sees it: content parts flattened to text."""
     out = msg.model_dump(exclude_none=True)
     content = msg.content
@@ -164,6 +166,7 @@ async def chat_completions(request: Request) -> Response:
     require_bearer(request, server.api_key)
     body = await parse_model(request, ChatCompletionRequest, server.body_limits)
     _check_common(server, body)
+    server.require_tokenizer("messages", "a chat request (the chat template renders text)")
     require(not body.tools, "tools are not supported by this server", "tools")
     require(body.tool_choice in (None, "none"), "tool_choice is not supported by this server", "tool_choice")
     fmt = body.response_format
@@ -173,7 +176,7 @@ async def chat_completions(request: Request) -> Response:
     if top is not None:
         require(bool(body.logprobs), "top_logprobs requires logprobs to be true", "top_logprobs")
         server.builder.check_top_logprobs(top, "top_logprobs")
-    messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
+    messages = [message_dict(i, m) for i, m in enumerate(body.messages)]
     ids = await server.builder.tokenize_rendered(render_chat(server.tokenizer, messages))
     server.builder.check_ids(ids, "messages")
     use_completion = body.max_completion_tokens is not None
@@ -186,7 +189,7 @@ async def chat_completions(request: Request) -> Response:
     n, group_rid = body.n, body.rid or new_rid()
     server.builder.check_sequence_count(1, n)
     subs = server.builder.expand(sub_rids(group_rid, n), ids, params, return_logprob=bool(body.logprobs),
-                                 top_logprobs_num=top or 0)
+                                 top_logprobs_num=top or 0, priority=body.priority)
     attach_bootstrap(subs, body)
     head = {"id": f"chatcmpl-{group_rid}", "created": int(time.time()), "model": server.model_name}
     group = await server.manager.submit(group_rid, subs)

@@ -153,8 +153,8 @@ def openapi_schema() -> dict[str, Any]:
                 "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
             "responses": {"200": {"description": "OK"}, "400": {"description": "invalid request (OpenAI error)"}},
         }}
-    for path in ("/health", "/health_generate", "/model_info", "/server_info", "/get_load", "/v1/models",
-                 "/metrics"):
+    for path in ("/health", "/health_generate", "/model_info", "/get_model_info", "/server_info",
+                 "/get_server_info", "/get_load", "/v1/models", "/v1/models/{model_id}", "/metrics"):
         paths[path] = {"get": {"responses": {"200": {"description": "OK"}}}}
     paths["/flush_cache"] = {"post": {"responses": {"200": {"description": "OK"}, "409": {"description": "busy"}}}}
     return {
@@ -173,7 +173,9 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/health_generate", health_generate, methods=["GET"]),
     Route("/model_info", model_info, methods=["GET"]),
+    Route("/get_model_info", model_info, methods=["GET"]),  # SGLang's older names, still what its clients call
     Route("/server_info", server_info, methods=["GET"]),
+    Route("/get_server_info", server_info, methods=["GET"]),
     Route("/get_load", get_load, methods=["GET"]),
     Route("/flush_cache", flush_cache, methods=["POST"]),
     Route("/abort_request", abort_request, methods=["POST"]),

@@ -64,6 +64,8 @@ class SGLangExtras(SGLangRequestFlags):
     bootstrap_host: str | None = None
     bootstrap_port: Port | None = None
     bootstrap_room: Room | None = Field(default=None, description="PD disaggregation (set by the router)")
+    priority: Int64 | None = Field(default=None, description="Scheduling priority; needs a policy that reads it "
+                                   "(scheduler.policy=priority), else only null or 0 are accepted")
 
     def sglang_sampling(self) -> dict[str, Any]:
         return {
@@ -163,6 +165,12 @@ class GenerateRequest(StrictModel):
     top_logprobs_num: Int64 | list[Int64] = 0
     logprob_start_len: LogprobStart | list[LogprobStart] = -1
     return_text_in_logprobs: bool = False
+    """Logprob entries become [logprob, token_id, token_text]."""
+    token_ids_logprob: list[Int64] | list[list[Int64]] | None = None
+    """Logprobs of these token ids at every output position (one list, or one per prompt)."""
+    custom_logit_processor: str | list[str | None] | None = None
+    """SGLang's dill-serialized processor: always refused (see docs/api.md)."""
+    priority: Int64 | None = None
     rid: str | list[str] | None = None
     bootstrap_host: str | None = None
     bootstrap_port: Port | None = None
@@ -178,6 +186,28 @@ class GenerateRequest(StrictModel):
     return_entropy: Literal[False] = False
 
 
+class TokenizeRequest(StrictModel):
+    """``POST /v1/tokenize`` and ``/tokenize`` (vLLM's and SGLang's shapes): a prompt (or a list of
+    prompts, SGLang) or chat ``messages`` (vLLM, rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Default: true for ``prompt``, false for ``messages`` (the template holds its special tokens)."""
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /v1/detokenize`` and ``/detokenize``: token ids (or a list of id lists) to text."""
+
+    model: str | None = None
+    tokens: list[Int64] | list[list[Int64]]
+    skip_special_tokens: bool = False
+    """false: every token is decoded, special ones included (as vLLM does)."""
+
+
 class AbortRequest(StrictModel):
     """``POST /abort_request``."""
 
@@ -190,5 +220,7 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/abort_request": AbortRequest,
+    "/v1/tokenize": TokenizeRequest,
+    "/v1/detokenize": DetokenizeRequest,
 }
 """The POST routes and their bodies (for /openapi.json)."""

@@ -37,9 +37,14 @@ class RequestBuilder:
         self.context_len = int(model_info["context_length"])
         self.vocab_size = int(model_info["vocab_size"])
         self.server = server
+        self.priority_scheduling = bool(model_info.get("priority_scheduling"))
+        """The scheduler's policy orders by ``priority`` (it says so in its Ready info)."""
 
-    async def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str, param: str = "prompt") -> list[int]:
         """Token ids of a raw prompt, exactly as the in-process Engine encodes it."""
+        if self.tokenizer is None:
+            raise bad_request("a text prompt needs a tokenizer, and this server runs without one "
+                              "(model.skip_tokenizer_init=true): send token ids", param, "no_tokenizer")
         if len(text) > OFFLOAD_TOKENIZE_CHARS:
             return await asyncio.to_thread(self.tokenizer.encode, text)
         return self.tokenizer.encode(text)
@@ -79,6 +84,9 @@ class RequestBuilder:
                 message = message.replace(ours, theirs)
             param = message.split(" ", 1)[0] if message else None
             raise bad_request(message, param, "invalid_value") from None
+        if params.stop and self.tokenizer is None:
+            raise bad_request("stop strings need a tokenizer, and this server runs without one "
+                              "(model.skip_tokenizer_init=true): use stop_token_ids", "stop", "no_tokenizer")
         if params.n > self.server.max_n:
             raise bad_request(f"n must be <= {self.server.max_n} on this server, got {params.n}", "n", "invalid_value")
         return params
@@ -98,6 +106,24 @@ class RequestBuilder:
         limit = self.server.max_top_logprobs
         if not 0 <= value <= limit:
             raise bad_request(f"{param} must be in [0, {limit}] on this server, got {value}", param, "invalid_value")
+
+    def check_priority(self, priority: int | None) -> None:
+        """400 for a non-zero ``priority`` unless the schedule policy reads it (as vLLM refuses it
+        without priority scheduling): a priority that silently does nothing would mislead."""
+        if priority not in (None, 0) and not self.priority_scheduling:
+            raise bad_request(f"priority {priority} needs a schedule policy that orders by priority "
+                              "(e.g. scheduler.policy=priority); this server's does not", "priority", "invalid_value")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """``token_ids_logprob``: ids in the vocabulary, at most ``server.max_top_logprobs`` of them
+        (each costs a logprob per output token, like a top logprob)."""
+        limit = self.server.max_top_logprobs
+        if len(ids) > limit:
+            raise bad_request(f"{param} has {len(ids)} ids; this server allows at most {limit} "
+                              "(server.max_top_logprobs)", param, "invalid_value")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of range [0, {self.vocab_size})", param, "invalid_value")
 
     def check_length(self, ids: list[int], params: SamplingParams, param: str, max_param: str) -> None:
         """The scheduler's admission rule, answered here: prompt + output within the context."""
@@ -119,18 +145,21 @@ class RequestBuilder:
             )
 
     def expand(self, rids: list[str], ids: list[int], params: SamplingParams, *, return_logprob: bool = False,
-               top_logprobs_num: int = 0, logprob_start_len: int = -1) -> list[SubRequest]:
+               top_logprobs_num: int = 0, logprob_start_len: int = -1, priority: int | None = None,
+               token_ids_logprob: list[int] | None = None) -> list[SubRequest]:
         """The ``n`` scheduler requests of one prompt; seeded ones use seed, seed + 1, ... as the
         Engine does, so choice i of a seeded request is reproducible on its own."""
         subs = []
+        wants_logprobs = return_logprob or top_logprobs_num > 0 or logprob_start_len >= 0 or bool(token_ids_logprob)
         for i, rid in enumerate(rids):
             sub = SamplingParams.from_dict({**params.to_dict(), "n": 1})
             if params.seed is not None:
                 sub.seed = choice_seed(params.seed, i)
             subs.append(SubRequest(
                 rid=rid, input_ids=ids, params=sub,
-                return_logprob=return_logprob or top_logprobs_num > 0 or logprob_start_len >= 0,
-                top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                return_logprob=wants_logprobs,
+                top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, priority=priority,
+                token_ids_logprob=token_ids_logprob or None,
             ))
         return subs
 

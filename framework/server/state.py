@@ -54,10 +54,33 @@ class ServerState:
     def body_limits(self) -> BodyLimits:
         return BodyLimits(self.settings.server.max_body_bytes, self.settings.server.max_json_depth)
 
+    def model_card(self) -> dict[str, Any]:
+        """The served model as ``/v1/models`` lists it: OpenAI's card plus vLLM's ``root`` and
+        ``max_model_len``."""
+        return {"id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "plugserve",
+                "root": self.model_info.get("model_path"), "max_model_len": self.builder.context_len}
+
+    def serves(self, name: str) -> bool:
+        """True for the served model name and for the model's path: OpenAI clients, and SGLang's
+        and vLLM's benchmark clients, send the path they launched the server with by default."""
+        if name == self.model_name:
+            return True
+        paths = {os.fspath(self.settings.model.path), str(self.model_info.get("model_path") or "")}
+        return bool(name) and os.path.normpath(name) in {os.path.normpath(p) for p in paths if p}
+
     def check_model(self, name: str) -> None:
-        if name != self.model_name:
+        """404 in OpenAI's shape unless this server serves ``name``."""
+        if not self.serves(name):
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
+
+    def require_tokenizer(self, param: str, what: str) -> None:
+        """400 naming ``param`` when the server runs without a tokenizer (``model.skip_tokenizer_init``)
+        and the request needs one for ``what``."""
+        if self.tokenizer is None:
+            raise APIError(400, f"{what} needs a tokenizer, and this server runs without one "
+                           "(model.skip_tokenizer_init=true): send token ids and read output ids",
+                           param=param, code="no_tokenizer")
 
     def public_config(self) -> dict[str, Any]:
         """The resolved config with the keys redacted."""

@@ -49,6 +49,9 @@ class SubRequest:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    priority: int | None = None
+    token_ids_logprob: list[int] | None = None
+    """SGLang's ``token_ids_logprob``: report these ids' logprobs at every output position."""
 
     def to_ipc(self) -> ipc.GenerateReq:
         return ipc.GenerateReq(
@@ -56,6 +59,7 @@ class SubRequest:
             return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
             logprob_start_len=self.logprob_start_len, bootstrap_host=self.bootstrap_host,
             bootstrap_port=self.bootstrap_port, bootstrap_room=self.bootstrap_room,
+            priority=self.priority, token_ids_logprob=self.token_ids_logprob,
         )
 
 
@@ -200,7 +204,8 @@ class TokenizerManager:
         # Everything that can fail happens before the group is registered: a request that never
         # reached the scheduler must not stay in the tables (its rid would be refused forever).
         message = ipc.encode(ipc.GenerateBatch(reqs=[s.to_ipc() for s in subs]))
-        states = [RequestState(s.rid, self.tokenizer, s.input_ids, s.params, s.return_logprob) for s in subs]
+        states = [RequestState(s.rid, self.tokenizer, s.input_ids, s.params, s.return_logprob,
+                               s.token_ids_logprob) for s in subs]
         group = RequestGroup(group_rid, subs, states)
         self._groups[group_rid] = group
         for i, s in enumerate(subs):

@@ -8,10 +8,10 @@ A policy author runs it from their own test suite::
         assert_conformant(MyPolicy.create)               # or assert_conformant("my_policy")
 
 A policy's ``order(waiting, prefix_len)`` (:class:`framework.scheduler.policy.SchedulePolicy`)
-is called on queues of fake requests that have exactly what the contract promises, ``rid`` and
-``arrival_time`` (a policy reading anything else fails here, as it could on a real server where
-that attribute means something else), with a ``prefix_len`` that answers random cached-prefix
-lengths. The checks:
+is called on queues of fake requests that have exactly what the contract promises, ``rid``,
+``arrival_time`` and ``priority`` (an int or None; a policy reading anything else fails here, as
+it could on a real server where that attribute means something else), with a ``prefix_len`` that
+answers random cached-prefix lengths. The checks:
 
 - ``empty``: ``order([], prefix_len)`` returns an empty list;
 - ``permutation``: the result is a list holding exactly the input's request objects (by
@@ -57,11 +57,12 @@ class FakeRequest:
 
     rid: str
     arrival_time: float
+    priority: int | None = None
     _index: int = -1
     """Its place in the queue as built (only for messages: rids may repeat)."""
 
     def __repr__(self) -> str:
-        return f"Req#{self._index}({self.rid!r}, t={self.arrival_time:g})"
+        return f"Req#{self._index}({self.rid!r}, t={self.arrival_time:g}, priority={self.priority})"
 
 
 class _PrefixLen:
@@ -83,7 +84,9 @@ class _PrefixLen:
 
 def _queue(n: int, seed: int) -> tuple[list[FakeRequest], list[int]]:
     rng = random.Random(seed)
-    reqs = [FakeRequest(f"r{i}", float(rng.randrange(max(1, n // 2))), i) for i in range(n)]  # arrival ties
+    # arrival and priority ties; some requests send no priority
+    reqs = [FakeRequest(f"r{i}", float(rng.randrange(max(1, n // 2))), rng.choice((None, -3, 0, 0, 2, 7)), i)
+            for i in range(n)]
     return reqs, [rng.choice((0, 0, 16, 32, rng.randrange(200))) for _ in range(n)]
 
 
@@ -182,15 +185,16 @@ def _check_random_queues(make: Callable[[], Any], max_examples: int) -> str:
     from hypothesis import strategies as st
 
     counts = {"examples": 0}
-    item = st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(0, 5), st.integers(0, 64))
+    item = st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(0, 5), st.integers(0, 64),
+                     st.none() | st.integers(-3, 3))
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
               verbosity=Verbosity.quiet, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
     @given(items=st.lists(item, max_size=30), same_policy=st.booleans())
-    def prop(items: list[tuple[str, int, int]], same_policy: bool) -> None:
+    def prop(items: list[tuple[str, int, int, int | None]], same_policy: bool) -> None:
         counts["examples"] += 1
-        queue = [FakeRequest(rid, float(t), i) for i, (rid, t, _) in enumerate(items)]
-        lens = [n for _, _, n in items]
+        queue = [FakeRequest(rid, float(t), prio, i) for i, (rid, t, _, prio) in enumerate(items)]
+        lens = [n for _, _, n, _ in items]
         policy = make()
         first, _ = _order_once(policy, queue, lens)
         again, _ = _order_once(policy if same_policy else make(), queue, lens)

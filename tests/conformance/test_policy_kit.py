@@ -9,7 +9,7 @@ import pytest
 from framework.plugins import get_registry
 from framework.testing.policy_conformance import CHECKS, assert_conformant, run_conformance
 
-BUILTIN_POLICIES = ("fcfs", "lpm")
+BUILTIN_POLICIES = ("fcfs", "lpm", "priority")
 
 
 def test_every_builtin_policy_is_covered() -> None:
