@@ -92,6 +92,43 @@ def register_schedule_policies(register: Register) -> None:
     """
 
 
+@hookspec
+def register_grammar_backends(register: Register) -> None:
+    """Register grammar backends for constrained decoding (``grammar.backend``, options in
+    ``grammar.options``): JSON schema, regex, EBNF and structural-tag constraints.
+
+    Factory signature: ``factory(tokenizer, vocab_size, options) -> GrammarBackend``
+    (:class:`framework.grammar.base.GrammarBackend`): ``validate(spec)`` (cheap, in the HTTP
+    process), ``compile(spec)`` (on a worker thread of the scheduler process; the result is cached
+    and shared) and ``matcher(compiled, stop_token_ids)``, whose matchers accept tokens and fill
+    int32 token bitmasks. Declare ``auto_priority`` and ``unavailable_reason`` (the library is not
+    installed) in ``capabilities``: ``grammar.backend: auto`` picks the highest usable one.
+    """
+
+
+@hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers (``server.tool_call_parser``): they find the tool calls in a chat
+    completion's text, whole or streamed.
+
+    Factory signature: ``factory(options) -> ToolParser``
+    (:class:`framework.parsing.tool_calls.ToolParser`): ``parse(text) -> (content, calls)`` and
+    ``start_marker`` (the text that opens the calls, held back while streaming). They run in the
+    HTTP process.
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parsers (``server.reasoning_parser``): they split a chat completion's
+    text into ``reasoning_content`` and ``content``, whole or streamed.
+
+    Factory signature: ``factory(options) -> ReasoningParser``
+    (:class:`framework.parsing.reasoning.ReasoningParser`): the start and end markers and whether
+    the output begins inside the reasoning. They run in the HTTP process.
+    """
+
+
 # --- core hooks: observation points with a built-in user ---------------------------------------
 
 

@@ -16,6 +16,9 @@ KIND_HOOKS: dict[str, str] = {
     "transfer_backend": "register_transfer_backends",
     "model": "register_models",
     "schedule_policy": "register_schedule_policies",
+    "grammar_backend": "register_grammar_backends",
+    "tool_parser": "register_tool_parsers",
+    "reasoning_parser": "register_reasoning_parsers",
 }
 
 

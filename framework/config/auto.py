@@ -46,6 +46,8 @@ def resolve_auto(cfg: DictConfig) -> None:
         # A PD decode server reserves rows for requests whose KV is still in flight.
         needs = (lambda c: c.capabilities.preallocation) if _mode(cfg) == "decode" else (lambda c: True)
         cfg.memory_pool.name = _auto(registry, "memory_pool", device, "memory_pool.name", needs)
+    if cfg.grammar.backend == "auto":
+        cfg.grammar.backend = _auto(registry, "grammar_backend", device, "grammar.backend")
     supports = None
     if registry.has("attention_backend", cfg.attention.backend):
         supports = registry.get("attention_backend", cfg.attention.backend).capabilities.cuda_graph

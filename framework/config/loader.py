@@ -37,7 +37,14 @@ COMPONENT_SLOTS: tuple[tuple[str, str, str], ...] = (
     ("attention.backend", "attention.options", "attention_backend"),
     ("memory_pool.name", "memory_pool.options", "memory_pool"),
     ("scheduler.policy", "scheduler.policy_options", "schedule_policy"),
+    ("grammar.backend", "grammar.options", "grammar_backend"),
     ("disaggregation.transfer_backend", "disaggregation.transfer_options", "transfer_backend"),
+)
+
+#: (key of an optional component name, registry kind): null means "none"; they take no options.
+OPTIONAL_SLOTS: tuple[tuple[str, str], ...] = (
+    ("server.tool_call_parser", "tool_parser"),
+    ("server.reasoning_parser", "reasoning_parser"),
 )
 
 
@@ -216,6 +223,10 @@ def validate_component_slots(cfg: DictConfig) -> None:
         component = registry.get(kind, name, key=name_key)
         validated = validate_options(component, OmegaConf.select(cfg, options_key), options_key)
         OmegaConf.update(cfg, options_key, validated, merge=False)
+    for name_key, kind in OPTIONAL_SLOTS:
+        name = OmegaConf.select(cfg, name_key)
+        if name is not None:
+            registry.get(kind, name, key=name_key)  # unknown: fails listing the installed ones
     check_component_capabilities(cfg, registry)
     _validate_model(cfg, registry)
 

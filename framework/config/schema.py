@@ -192,6 +192,23 @@ class CudaGraphConfig:
 
 
 @dataclass
+class GrammarConfig:
+    """Constrained decoding (JSON schema, regex, EBNF, structural tags; tool_choice required)."""
+
+    backend: str = "auto"
+    """A registered grammar backend; auto: the highest ``auto_priority`` one that can run here
+    (built-ins: xgrammar, then llguidance when installed; none refuses constrained requests)."""
+    options: Any = field(default_factory=dict)
+    compile_threads: int = 2
+    """Worker threads compiling grammars in the scheduler process (off the decode loop)."""
+    cache_entries: int = 256
+    """Compiled grammars kept (LRU), keyed by the constraint's exact text."""
+    queue_poll_s: float = 0.005
+    """When nothing but requests waiting for their grammar is left, the scheduler waits up to this
+    long for a compile before it looks at new messages again (instead of spinning)."""
+
+
+@dataclass
 class ServerConfig:
     """The HTTP server."""
 
@@ -226,6 +243,13 @@ class ServerConfig:
     """Largest ``top_logprobs`` / ``top_logprobs_num``."""
     log_level: str = "info"
     log_requests: bool = False
+    tool_call_parser: Optional[str] = None
+    """A registered tool-call parser (llama3_json, hermes / qwen25, mistral, ...) that finds tool
+    calls in chat output; null: ``tool_choice`` auto is refused (required and a named function
+    still work: the grammar backend enforces them)."""
+    reasoning_parser: Optional[str] = None
+    """A registered reasoning parser (deepseek_r1, qwen3, ...) that moves the model's thinking
+    into ``reasoning_content``; null: the text is returned as it is."""
     scheduler_start_timeout_s: float = 600.0
     """How long to wait for the scheduler process to load the model."""
     health_check_timeout_s: float = 20.0
@@ -275,6 +299,7 @@ class PlugserveConfig:
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     radix_cache: RadixCacheConfig = field(default_factory=RadixCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)

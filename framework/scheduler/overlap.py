@@ -42,7 +42,9 @@ class InflightDecode:
 
 def _needs_all_tokens(req: Req) -> bool:
     sp = req.sampling_params
-    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+    # Constrained requests too: the next step's bitmask needs the matcher advanced by this step's token.
+    return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+            or req.grammar is not None)
 
 
 class OverlapLoop(StepLoop):

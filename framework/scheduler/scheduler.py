@@ -34,6 +34,7 @@ from framework.plugins import get_plugins
 from framework.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from framework.scheduler.batch_builder import LogitsPlan, build_decode, build_extend, record_prompt_logprobs
 from framework.scheduler.finish import check_finished
+from framework.scheduler.grammar_queue import GrammarAdmissionError, GrammarQueue
 from framework.scheduler.kv_manager import KVManager
 from framework.scheduler.loops import StepLoop, SyncLoop
 from framework.scheduler.outputs import RequestOutput, delta_of
@@ -53,8 +54,6 @@ class SamplingInputs:
     info: SamplingBatchInfo
     top_nums: list[int] | None
     want_logprobs: bool
-    token_ids: list[list[int]] | None = None
-    """Per row the ids of ``token_ids_logprob`` (None when no row asks)."""
 
 
 class AdmissionError(ValueError):
@@ -82,6 +81,7 @@ class Scheduler:
         self.policy = policy_comp.factory(policy_comp.make_options(self.cfg.policy_options))
         self.planner = PrefillPlanner(self.cfg, self.kv, self.policy, self.max_running)
         self.sampler = Sampler()
+        self.grammar = GrammarQueue(settings, tokenizer, self.runner.vocab_size)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -129,9 +129,6 @@ class Scheduler:
             )
         if self.cfg.max_queued_requests is not None and len(self.waiting) >= self.cfg.max_queued_requests:
             raise QueueFullError(f"the waiting queue is full ({self.cfg.max_queued_requests} requests)")
-        if req.priority not in (None, 0) and not getattr(self.policy, "uses_priority", False):
-            raise AdmissionError(f"priority {req.priority} needs a schedule policy that orders by priority "
-                                 f"(scheduler.policy={self.cfg.policy!r} does not)")
         if req.wants_prompt_logprobs() and req.logprob_start_len == 0:
             req.input_logprobs.append(None)  # the first prompt token has no logprob
             req.input_top_logprobs.append(None)
@@ -143,10 +140,14 @@ class Scheduler:
             req.finished_reason = FinishReason("length")
             self.finish(req)
             return
+        try:  # a constrained request waits in the grammar queue until its grammar is compiled
+            compiling = self.grammar.admit(req, pd=self.pd is not None)
+        except GrammarAdmissionError as exc:
+            raise AdmissionError(str(exc)) from None
         # PD: checks the bootstrap fields (may raise); the decode side queues the request itself
         queued_by_pd = self.pd is not None and self.pd.admit(req)
         self.requests[req.rid] = req
-        if not queued_by_pd:
+        if not queued_by_pd and not compiling:
             self.waiting.append(req)
         self.prompt_tokens_seen += len(req.input_ids)
 
@@ -157,6 +158,7 @@ class Scheduler:
             return False
         if self.pd is not None and self.pd.abort(req, message or "aborted"):
             return True
+        self.grammar.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if req is self.chunked:
@@ -169,7 +171,8 @@ class Scheduler:
 
     def has_work(self) -> bool:
         pd_work = self.pd is not None and self.pd.has_work()
-        return bool(self.waiting or self.running or self.chunked or self._pending or self.loop.has_work() or pd_work)
+        return bool(self.waiting or self.running or self.chunked or self._pending or self.loop.has_work() or pd_work
+                    or self.grammar.pending)
 
     def num_running(self) -> int:
         return len(self.running) + (1 if self.chunked else 0)
@@ -178,13 +181,29 @@ class Scheduler:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch (prefill if any can be formed, else decode); return output deltas."""
+        self._admit_compiled()
         self.loop.step()
         out, self._pending = self._pending, []
         return out
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is compiled join the waiting queue (a failed compile fails its
+        request); with nothing else to run, wait a moment for a compile instead of spinning."""
+        if not self.grammar.pending:
+            return
+        if not (self.waiting or self.running or self.chunked or self.loop.has_work()):
+            self.grammar.wait(self.settings.grammar.queue_poll_s)
+        for req, error in self.grammar.poll():
+            if error is None:
+                self.waiting.append(req)
+            else:
+                req.finished_reason = FinishReason("abort", message=error)
+                self.finish(req, error=error)
+
     def close(self) -> None:
-        """Stop the loop's worker (overlap) and the PD side's transfer backend."""
+        """Stop the loop's worker (overlap), the grammar compilers and the PD side's transfer backend."""
         self.loop.close()
+        self.grammar.close()
         if self.pd is not None:
             self.pd.close()
 
@@ -318,15 +337,14 @@ class Scheduler:
             [r.sampling_params for r in reqs], [r.input_ids for r in reqs], outputs,
             [r.eos_token_ids for r in reqs], self.runner.vocab_size, self.runner.device,
         )
+        info.token_bitmask = self.grammar.bitmask(reqs)
         top_nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        token_ids = [r.token_ids_logprob or [] for r in reqs]
-        return SamplingInputs(info, top_nums if any(top_nums) else None, any(r.return_logprob for r in reqs),
-                              token_ids if any(token_ids) else None)
+        return SamplingInputs(info, top_nums if any(top_nums) else None, any(r.return_logprob for r in reqs))
 
     def sample_tensors(self, logits: torch.Tensor, inputs: SamplingInputs) -> SampleOutput:
         """The sampling computation alone (safe to run on the overlap worker thread)."""
         return self.sampler.sample(
-            logits, inputs.info, inputs.top_nums, return_logprobs=inputs.want_logprobs, token_ids=inputs.token_ids
+            logits, inputs.info, inputs.top_nums, return_logprobs=inputs.want_logprobs
         )
 
     def apply_samples(self, reqs: list[Req], out: SampleOutput) -> None:
@@ -345,9 +363,7 @@ class Scheduler:
                 r.output_logprobs.append(logprobs[i])
                 if out.top_logprobs is not None:
                     r.output_top_logprobs.append(out.top_logprobs[i])
-                if r.token_ids_logprob and out.token_ids_logprobs is not None:
-                    r.output_token_ids_logprobs.append(out.token_ids_logprobs[i])
-            reason = check_finished(r, self.context_len, self.tokenizer)
+            reason = self.grammar.advance(r, next_ids[i]) or check_finished(r, self.context_len, self.tokenizer)
             if reason is not None:
                 r.finished_reason = reason
                 self.finish(r)

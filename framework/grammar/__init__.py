@@ -1,0 +1,1 @@
+"""Constrained decoding: the grammar-backend interface (``base``) and the compile manager."""

@@ -1,0 +1,1 @@
+"""Chat-output parsers' interfaces: tool calls (``tool_calls``) and reasoning (``reasoning``)."""

@@ -1,0 +1,1 @@
+"""Built-in grammar backends (each module is its own entry point)."""
