@@ -54,6 +54,8 @@ class SamplingInputs:
     info: SamplingBatchInfo
     top_nums: list[int] | None
     want_logprobs: bool
+    token_ids: list[list[int]] | None = None
+    """Per row the ids of ``token_ids_logprob`` (None when no row asks)."""
 
 
 class AdmissionError(ValueError):
@@ -129,6 +131,9 @@ class Scheduler:
             )
         if self.cfg.max_queued_requests is not None and len(self.waiting) >= self.cfg.max_queued_requests:
             raise QueueFullError(f"the waiting queue is full ({self.cfg.max_queued_requests} requests)")
+        if req.priority not in (None, 0) and not getattr(self.policy, "uses_priority", False):
+            raise AdmissionError(f"priority {req.priority} needs a schedule policy that orders by priority "
+                                 f"(scheduler.policy={self.cfg.policy!r} does not)")
         if req.wants_prompt_logprobs() and req.logprob_start_len == 0:
             req.input_logprobs.append(None)  # the first prompt token has no logprob
             req.input_top_logprobs.append(None)
@@ -339,12 +344,14 @@ class Scheduler:
         )
         info.token_bitmask = self.grammar.bitmask(reqs)
         top_nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        return SamplingInputs(info, top_nums if any(top_nums) else None, any(r.return_logprob for r in reqs))
+        token_ids = [r.token_ids_logprob or [] for r in reqs]
+        return SamplingInputs(info, top_nums if any(top_nums) else None, any(r.return_logprob for r in reqs),
+                              token_ids if any(token_ids) else None)
 
     def sample_tensors(self, logits: torch.Tensor, inputs: SamplingInputs) -> SampleOutput:
         """The sampling computation alone (safe to run on the overlap worker thread)."""
         return self.sampler.sample(
-            logits, inputs.info, inputs.top_nums, return_logprobs=inputs.want_logprobs
+            logits, inputs.info, inputs.top_nums, return_logprobs=inputs.want_logprobs, token_ids=inputs.token_ids
         )
 
     def apply_samples(self, reqs: list[Req], out: SampleOutput) -> None:
@@ -363,6 +370,8 @@ class Scheduler:
                 r.output_logprobs.append(logprobs[i])
                 if out.top_logprobs is not None:
                     r.output_top_logprobs.append(out.top_logprobs[i])
+                if r.token_ids_logprob and out.token_ids_logprobs is not None:
+                    r.output_token_ids_logprobs.append(out.token_ids_logprobs[i])
             reason = self.grammar.advance(r, next_ids[i]) or check_finished(r, self.context_len, self.tokenizer)
             if reason is not None:
                 r.finished_reason = reason
