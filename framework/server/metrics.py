@@ -21,6 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from framework.hookspecs import hookimpl
+from framework.server.sglang_metrics import SGLangMetrics
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Time-to-first-token histogram buckets, in seconds."""
@@ -33,9 +34,10 @@ PREFIX = "plugserve"
 
 
 class ServerMetrics:
-    """The server's Prometheus collectors."""
+    """The server's Prometheus collectors; with ``sglang_names`` also SGLang's names, labelled
+    ``model_name`` (see :mod:`framework.server.sglang_metrics`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", sglang_names: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "Finished requests by finish reason",
@@ -57,9 +59,17 @@ class ServerMetrics:
         self.hit_rate = Gauge(f"{PREFIX}_prefix_cache_hit_rate",
                               "Prompt tokens served from the prefix cache / prompt tokens seen", registry=r)
         self.retractions = Gauge(f"{PREFIX}_num_retractions", "Decode retractions since start", registry=r)
+        self.sglang = SGLangMetrics(r, model_name) if sglang_names else None
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        if self.sglang is not None:
+            self.sglang.first_token(seconds)
+
+    def tokens(self, count: int, previous_at: float | None, now: float) -> None:
+        """``count`` streamed tokens of one request at ``now`` (its previous ones at ``previous_at``)."""
+        if self.sglang is not None:
+            self.sglang.tokens(count, previous_at, now)
 
     def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                  created: float, first_token_at: float | None) -> None:
@@ -70,8 +80,12 @@ class ServerMetrics:
         self.generation_tokens.inc(completion_tokens)
         self.cached_tokens.inc(cached_tokens)
         self.e2e.observe(now - created)
+        tpot = None
         if first_token_at is not None and completion_tokens > 1:
-            self.tpot.observe((now - first_token_at) / (completion_tokens - 1))
+            tpot = (now - first_token_at) / (completion_tokens - 1)
+            self.tpot.observe(tpot)
+        if self.sglang is not None:
+            self.sglang.finished(prompt_tokens, completion_tokens, cached_tokens, now - created, tpot)
 
     def rejected(self) -> None:
         self.requests.labels("rejected").inc()
@@ -85,6 +99,9 @@ class ServerMetrics:
         self.kv_usage.set(used / total if total else 0.0)
         self.hit_rate.set(load.get("prefix_cache_hit_rate", 0.0))
         self.retractions.set(load.get("num_retractions", 0))
+        if self.sglang is not None:
+            self.sglang.update_load(load.get("num_running", 0), load.get("num_waiting", 0), used,
+                                    used / total if total else 0.0, load.get("prefix_cache_hit_rate", 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

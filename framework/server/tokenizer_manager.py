@@ -315,6 +315,7 @@ class TokenizerManager:
         group, index = route
         state = group.states[index]
         had_first = state.first_token_at is not None
+        previous_at = state.last_token_at
         try:
             delta = state.apply(out)
         except Exception as exc:  # a detokenizer bug fails its own request, which must not hang
@@ -323,6 +324,8 @@ class TokenizerManager:
             return
         if not had_first and state.first_token_at is not None:
             self.metrics.first_token(state.first_token_at - state.created)
+        if out.new_token_ids and state.last_token_at is not None:
+            self.metrics.tokens(len(out.new_token_ids), previous_at, state.last_token_at)
         if state.finished:
             del self._routes[out.rid]
             reason = (state.finish_reason or {}).get("type", "abort")
