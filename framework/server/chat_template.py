@@ -56,14 +56,17 @@ def _sandbox() -> ImmutableSandboxedEnvironment:
 
 
 def render_in_sandbox(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                      special_tokens: dict[str, Any]) -> str:
+                      special_tokens: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> str:
     """Render ``template`` in plugserve's own sandbox (the fallback path)."""
     compiled = _sandbox().from_string(template)
-    return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens)
+    return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                           **special_tokens)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """The prompt text for ``messages``; template problems are the client's 400, never a 500."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text for ``messages`` (and ``tools``, which templates that support tool calling
+    render); template problems are the client's 400, never a 500."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise bad_request("this model has no chat template; use /v1/completions", "messages", "no_chat_template")
@@ -72,10 +75,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     try:
         if transformers_sandboxes():
             text = tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                tools=tools,
             )
         else:
-            text = render_in_sandbox(template, messages, add_generation_prompt, _special_tokens(tokenizer))
+            text = render_in_sandbox(template, messages, add_generation_prompt, _special_tokens(tokenizer), tools)
     except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError) as exc:
         # TemplateError covers SecurityError (a sandbox violation) and raise_exception(); the
         # others come from templates doing string arithmetic on unexpected message shapes.

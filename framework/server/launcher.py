@@ -161,11 +161,14 @@ def _make_app(cfg: DictConfig, settings: PlugserveConfig, tokenizer: Any, manage
     from framework.server.openai_format import TokenText
     from framework.server.request_builder import RequestBuilder
     from framework.server.state import ServerState, served_model_name
+    from framework.server.structured import load_output_plugins
 
     builder = RequestBuilder(tokenizer, generation_defaults, info, settings.server)
+    builder.grammar, tool_parser, reasoning_parser = load_output_plugins(settings, tokenizer, int(info["vocab_size"]))
     state = ServerState(cfg=cfg, settings=settings, tokenizer=tokenizer, manager=manager, builder=builder,
                         metrics=metrics, model_info=info, token_text=TokenText(tokenizer),
-                        model_name=served_model_name(settings))
+                        model_name=served_model_name(settings), tool_parser=tool_parser,
+                        reasoning_parser=reasoning_parser)
     return build_app(state)
 
 

@@ -9,7 +9,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from framework.server.chat_output import ChatOutputPlan, ChoiceStream, final_message, prepare_chat, stream_finish_reason
 from framework.server.chat_template import render_chat
+from framework.server.chat_tools import template_messages
 from framework.server.errors import bad_request
 from framework.server.group_response import released_on_error, request_errors, stream_events, wait_all
 from framework.server.http_utils import parse_model, require_bearer, sse
@@ -17,6 +19,7 @@ from framework.server.openai_format import chat_logprobs, completion_logprobs, f
 from framework.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
 from framework.server.request_builder import attach_bootstrap, new_rid, require, sub_rids
 from framework.server.state import ServerState
+from framework.server.structured import response_format_fields, response_format_names
 from framework.server.tokenizer_manager import Event, RequestGroup
 
 _NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -82,8 +85,10 @@ async def completions(request: Request) -> Response:
     subs = []
     for i, (_, ids) in enumerate(prompts):
         server.builder.check_ids(ids, "prompt")
-        params = server.builder.sampling_params({"max_new_tokens": body.max_tokens, **body.sampling()},
-                                                default_max_tokens=16, names=_NAMES)
+        fmt = response_format_fields(body.response_format, body.sampling())
+        params = server.builder.sampling_params({"max_new_tokens": body.max_tokens, **body.sampling(), **fmt},
+                                                default_max_tokens=16,
+                                                names={**_NAMES, **response_format_names(body.response_format)})
         server.builder.check_length(ids, params, "prompt", "max_tokens")
         subs += server.builder.expand(rids[i * n:(i + 1) * n], ids, params, return_logprob=lp_num is not None,
                                       top_logprobs_num=lp_num or 0, priority=body.priority)
@@ -167,24 +172,20 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_model(request, ChatCompletionRequest, server.body_limits)
     _check_common(server, body)
     server.require_tokenizer("messages", "a chat request (the chat template renders text)")
-    require(not body.tools, "tools are not supported by this server", "tools")
-    require(body.tool_choice in (None, "none"), "tool_choice is not supported by this server", "tool_choice")
-    fmt = body.response_format
-    require(fmt is None or fmt.get("type") == "text", "only response_format type 'text' is supported",
-            "response_format")
+    plan, constraint, constraint_names = prepare_chat(body, server.tool_parser, server.reasoning_parser)
     top = body.top_logprobs
     if top is not None:
         require(bool(body.logprobs), "top_logprobs requires logprobs to be true", "top_logprobs")
         server.builder.check_top_logprobs(top, "top_logprobs")
-    messages = [message_dict(i, m) for i, m in enumerate(body.messages)]
-    ids = await server.builder.tokenize_rendered(render_chat(server.tokenizer, messages))
+    messages = template_messages([message_dict(i, m) for i, m in enumerate(body.messages)])
+    ids = await server.builder.tokenize_rendered(render_chat(server.tokenizer, messages, tools=plan.tools.tools))
     server.builder.check_ids(ids, "messages")
     use_completion = body.max_completion_tokens is not None
     max_name = "max_completion_tokens" if use_completion else "max_tokens"
     max_tokens = body.max_completion_tokens if use_completion else body.max_tokens
     require(max_tokens != 0, f"{max_name} must be >= 1", max_name)  # as OpenAI: a reply has a token
-    params = server.builder.sampling_params({"max_new_tokens": max_tokens, **body.sampling()}, None, len(ids),
-                                            names={**_NAMES, "max_new_tokens": max_name})
+    params = server.builder.sampling_params({"max_new_tokens": max_tokens, **body.sampling(), **constraint}, None,
+                                            len(ids), names={**_NAMES, "max_new_tokens": max_name, **constraint_names})
     server.builder.check_length(ids, params, "messages", max_name)
     n, group_rid = body.n, body.rid or new_rid()
     server.builder.check_sequence_count(1, n)
@@ -195,21 +196,23 @@ async def chat_completions(request: Request) -> Response:
     group = await server.manager.submit(group_rid, subs)
     if body.stream:
         return await released_on_error(server.manager, group, _stream_chat(
-            request, server, group, head, bool(body.logprobs), body))
+            request, server, group, head, bool(body.logprobs), body, plan))
     await wait_all(request, server.manager, group)
     request_errors(group)
     choices = []
     for i, st in enumerate(group.states):
         lp = chat_logprobs(st, server.token_text, 0, len(st.output_ids)) if body.logprobs else None
-        choices.append({"index": i, "message": {"role": "assistant", "content": st.text}, "logprobs": lp,
-                        "finish_reason": finish_reason(st), "matched_stop": matched_stop(st)})
+        message, reason = final_message(plan, st.text, finish_reason(st))
+        choices.append({"index": i, "message": message, "logprobs": lp,
+                        "finish_reason": reason, "matched_stop": matched_stop(st)})
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage(group.states, n)})
 
 
 async def _stream_chat(request: Request, server: ServerState, group: RequestGroup, head: dict[str, Any],
-                       logprobs: bool, body: ChatCompletionRequest) -> Response:
+                       logprobs: bool, body: ChatCompletionRequest, plan: ChatOutputPlan) -> Response:
     include_usage, continuous = _usage_flags(body)
     head = {**head, "object": "chat.completion.chunk"}
+    streams = [ChoiceStream(plan) for _ in group.states]
     sent = [0] * len(group.states)
     started: set[int] = set()
 
@@ -231,10 +234,15 @@ async def _stream_chat(request: Request, server: ServerState, group: RequestGrou
             end = len(st.output_logprobs)
             lp = chat_logprobs(st, server.token_text, sent[i], end)
             sent[i] = end
-        if ev.delta or (lp and lp["content"]):
-            out.append(chunk(i, {"content": ev.delta}, lp, None))
+        deltas = streams[i].feed(ev.delta) if ev.delta else []
         if ev.finished:
-            out.append(chunk(i, {}, None, finish_reason(st)))
+            deltas += streams[i].finish()
+        if lp and lp["content"] and not deltas:
+            deltas = [{"content": ""}]  # the logprobs of held-back text still go out now
+        for j, delta in enumerate(deltas):
+            out.append(chunk(i, delta, lp if j == 0 else None, None))
+        if ev.finished:
+            out.append(chunk(i, {}, None, stream_finish_reason(streams[i], finish_reason(st))))
         return out
 
     def tail() -> list[str]:

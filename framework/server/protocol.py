@@ -64,6 +64,11 @@ class SGLangExtras(SGLangRequestFlags):
     bootstrap_host: str | None = None
     bootstrap_port: Port | None = None
     bootstrap_room: Room | None = Field(default=None, description="PD disaggregation (set by the router)")
+    json_schema: str | dict[str, Any] | None = Field(default=None, description="Constrain the output to JSON valid "
+                                                     "against this schema (SGLang; JSON text or an object)")
+    regex: str | None = Field(default=None, description="Constrain the output to fully match this regex (SGLang)")
+    ebnf: str | None = Field(default=None, description="Constrain the output to this EBNF grammar (SGLang)")
+    structural_tag: str | dict[str, Any] | None = Field(default=None, description="SGLang's structural tag")
     priority: Int64 | None = Field(default=None, description="Scheduling priority; needs a policy that reads it "
                                    "(scheduler.policy=priority), else only null or 0 are accepted")
 
@@ -73,6 +78,8 @@ class SGLangExtras(SGLangRequestFlags):
             "min_new_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids, "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
+            "structural_tag": self.structural_tag,
         }
 
 
@@ -108,6 +115,8 @@ class CompletionRequest(OpenAISampling):
     logprobs: Int64 | None = None
     echo: bool | None = False
     best_of: Int64 | None = None
+    response_format: dict[str, Any] | None = None
+    """SGLang accepts OpenAI's structured-output field on completions too."""
     suffix: str | None = None
 
 
@@ -145,7 +154,7 @@ class ChatCompletionRequest(OpenAISampling):
     service_tier: str | None = None
     continue_final_message: Literal[False] = False
     separate_reasoning: bool | None = None
-    """SGLang's reasoning-parser switches (sglang-router sends them): no effect without a parser."""
+    """With a reasoning parser (server.reasoning_parser): false keeps the reasoning in content."""
     stream_reasoning: bool | None = None
 
 

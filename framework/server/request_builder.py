@@ -16,6 +16,7 @@ from framework.config.schema import ServerConfig
 from framework.engine.request_state import make_sampling_params
 from framework.sampling.params import SamplingParams, choice_seed
 from framework.server.errors import APIError, bad_request
+from framework.server.structured import check_grammar
 from framework.server.tokenizer_manager import SubRequest
 
 OFFLOAD_TOKENIZE_CHARS = 20_000
@@ -39,6 +40,8 @@ class RequestBuilder:
         self.server = server
         self.priority_scheduling = bool(model_info.get("priority_scheduling"))
         """The scheduler's policy orders by ``priority`` (it says so in its Ready info)."""
+        self.grammar: Any = None
+        """The grammar backend that validates constraints before they are queued (the launcher sets it)."""
 
     async def tokenize(self, text: str, param: str = "prompt") -> list[int]:
         """Token ids of a raw prompt, exactly as the in-process Engine encodes it."""
@@ -87,6 +90,7 @@ class RequestBuilder:
         if params.stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer, and this server runs without one "
                               "(model.skip_tokenizer_init=true): use stop_token_ids", "stop", "no_tokenizer")
+        check_grammar(self.grammar, params, names)  # a malformed schema or regex: 400 naming the field
         if params.n > self.server.max_n:
             raise bad_request(f"n must be <= {self.server.max_n} on this server, got {params.n}", "n", "invalid_value")
         return params

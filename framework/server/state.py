@@ -40,6 +40,10 @@ class ServerState:
     token_text: TokenText
     model_name: str
     started: float = field(default_factory=time.time)
+    tool_parser: Any = None
+    """``server.tool_call_parser`` (a :class:`~framework.parsing.tool_calls.ToolParser`) or None."""
+    reasoning_parser: Any = None
+    """``server.reasoning_parser`` (a :class:`~framework.parsing.reasoning.ReasoningParser`) or None."""
 
     @property
     def api_key(self) -> str | None:

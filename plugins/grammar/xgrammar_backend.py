@@ -16,6 +16,8 @@ import torch
 from framework.grammar.base import GrammarBackend, GrammarError, GrammarMatcher, GrammarSpec
 from framework.hookspecs import Capabilities, hookimpl
 
+_OPEN_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -82,8 +84,9 @@ class XGrammarBackend(GrammarBackend):
         try:
             if spec.kind == "json_schema":
                 spec.json_value()  # our own "not valid JSON" message first
-                return xgr.Grammar.from_json_schema(spec.value, any_whitespace=opts.any_whitespace,
-                                                    strict_mode=opts.strict_mode)
+                grammar = xgr.Grammar.from_json_schema(spec.value, any_whitespace=opts.any_whitespace,
+                                                       strict_mode=opts.strict_mode)
+                return self._without_raw_control_chars(grammar)
             if spec.kind == "regex":
                 return xgr.Grammar.from_regex(spec.value)
             if spec.kind == "ebnf":
@@ -95,6 +98,15 @@ class XGrammarBackend(GrammarBackend):
         except Exception as exc:  # xgrammar raises RuntimeError, ValueError, TypeError, its own errors
             raise GrammarError(spec.kind, _message(exc)) from None
         raise GrammarError(spec.kind, f"unknown constraint kind {spec.kind!r}")
+
+    def _without_raw_control_chars(self, grammar: Any) -> Any:
+        # xgrammar (0.2.9) writes strings with minLength/maxLength as ``[^"\\\r\n]{m,n}``, which
+        # lets raw control characters (U+0000-U+001F) into a JSON string: invalid JSON that a test
+        # with jsonschema caught. Close the class as its unbounded strings do.
+        text = str(grammar)
+        if _OPEN_STRING_CHARS not in text:
+            return grammar
+        return self.xgr.Grammar.from_ebnf(text.replace(_OPEN_STRING_CHARS, _JSON_STRING_CHARS))
 
     def _structural_tag(self, tag: Any) -> Any:
         xgr = self.xgr
