@@ -59,7 +59,10 @@ CASES = [
     ("token id out of range", COMP, {"model": MODEL, "prompt": [1, 10**7]}, 400, "prompt"),
     ("stream_options without stream", COMP, {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
      400, "stream_options"),
-    ("tools", CHAT, {"model": MODEL, "messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("tool without a name", CHAT, {"model": MODEL, "messages": MSGS, "tools": [{"type": "function"}]}, 400,
+     "tools.0.function.name"),
+    ("tool_choice auto without a parser", CHAT, {"model": MODEL, "messages": MSGS, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("image part", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content"),
     ("logit_bias out of range", COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
