@@ -2,9 +2,9 @@
 
 :func:`final_message` builds the non-streamed message; :class:`ChoiceStream` turns text deltas
 into stream deltas. Both run the same parsers (reasoning first, then tool calls on the content),
-so a stream's deltas add up to the non-streamed message. A constrained output (``tool_choice``
-required or named, ``response_format``) skips the reasoning parser: the grammar covers the whole
-output, so there is no reasoning section in it.
+so a stream's deltas add up to the non-streamed message. An output constrained to JSON
+(``tool_choice`` required or named, ``response_format``) skips the reasoning parser: the grammar
+covers the whole output, so there is no reasoning section in it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 
 from framework.parsing.reasoning import ReasoningParser, ReasoningStream
 from framework.parsing.tool_calls import ToolCall, ToolCallStream, new_call_id, openai_tool_call
-from framework.sampling.constraints import CONSTRAINT_FIELDS
 from framework.server.chat_tools import ToolPlan, forced_calls, plan_tools
 from framework.server.structured import installed, response_format_fields, response_format_names
 
@@ -154,6 +153,7 @@ def prepare_chat(body: Any, tool_parser: Any, reasoning_parser: ReasoningParser 
     else:
         constraint = response_format_fields(body.response_format, body.sampling())
         names = response_format_names(body.response_format)
-    constrained = bool(constraint) or any(body.sampling().get(k) is not None for k in CONSTRAINT_FIELDS)
-    use_reasoning = reasoning_parser is not None and body.separate_reasoning is not False and not constrained
+    # A forced call or a response_format covers the whole output with JSON: no reasoning in it. A raw
+    # regex / ebnf may spell out the reasoning markers itself, so the parser still runs then.
+    use_reasoning = reasoning_parser is not None and body.separate_reasoning is not False and not constraint
     return ChatOutputPlan(tools, tool_parser, reasoning_parser if use_reasoning else None), constraint, names
