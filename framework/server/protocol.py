@@ -167,7 +167,8 @@ class GenerateRequest(StrictModel):
         default=None,
         description="SamplingParams fields: max_new_tokens, min_new_tokens, temperature, top_p, top_k, "
         "min_p, repetition_penalty, frequency_penalty, presence_penalty, stop, stop_token_ids, ignore_eos, "
-        "skip_special_tokens, spaces_between_special_tokens, n, seed (one dict, or one per prompt)",
+        "skip_special_tokens, spaces_between_special_tokens, n, seed, logit_bias, json_schema, regex, ebnf, "
+        "structural_tag (one dict, or one per prompt)",
     )
     stream: bool = False
     return_logprob: bool | list[bool] = False
