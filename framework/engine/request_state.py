@@ -59,6 +59,7 @@ class RequestState:
         self.output_token_ids_logprobs: list[list[tuple[int, float]]] = []
         self.input_logprobs: list[float | None] | None = None
         self.input_top_logprobs: list[Any] | None = None
+        self.input_token_ids_logprobs: list[Any] | None = None
         self.prompt_ids = prompt_ids
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
@@ -86,6 +87,7 @@ class RequestState:
         if out.input_logprobs is not None:
             self.input_logprobs = out.input_logprobs
             self.input_top_logprobs = out.input_top_logprobs
+            self.input_token_ids_logprobs = out.input_token_ids_logprobs
         detok = self.detok if not self._stopped_by_string else None
         delta = detok.add(out.new_token_ids) if detok is not None else ""
         if out.finished and detok is not None:
@@ -140,6 +142,10 @@ class RequestState:
             if self.input_top_logprobs:
                 meta["input_top_logprobs"] = [
                     None if row is None else [[lp, t] for t, lp in row] for row in self.input_top_logprobs
+                ]
+            if self.input_token_ids_logprobs:
+                meta["input_token_ids_logprobs"] = [
+                    None if row is None else [[lp, t] for t, lp in row] for row in self.input_token_ids_logprobs
                 ]
         return meta
 

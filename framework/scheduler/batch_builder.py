@@ -112,3 +112,7 @@ def record_prompt_logprobs(reqs: list[Req], logits: torch.Tensor, plan: LogitsPl
             r.input_top_logprobs.extend(
                 [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
             )
+        if r.token_ids_logprob:
+            watched = r.token_ids_logprob
+            rows = logp[:, torch.tensor(watched, device=logp.device)].tolist()
+            r.input_token_ids_logprobs.extend([list(zip(watched, row, strict=True)) for row in rows])

@@ -29,6 +29,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     input_logprobs: list[float | None] | None = None
     """Prompt logprobs (sent once, with the first output); None for the first prompt token."""
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    input_token_ids_logprobs: list[list[tuple[int, float]] | None] | None = None
     new_token_ids_logprobs: list[list[tuple[int, float]]] | None = None
     """Per new token, (token id, logprob) of each of the request's ``token_ids_logprob``."""
     error: str | None = None
@@ -57,6 +58,7 @@ def delta_of(r: Req) -> RequestOutput:
         if r.sent_input_logprobs == 0 and r.input_logprobs:
             out.input_logprobs = list(r.input_logprobs)
             out.input_top_logprobs = list(r.input_top_logprobs) if r.top_logprobs_num else None
+            out.input_token_ids_logprobs = list(r.input_token_ids_logprobs) if r.token_ids_logprob else None
             r.sent_input_logprobs = len(r.input_logprobs)
     r.sent_len = len(r.output_ids)
     return out

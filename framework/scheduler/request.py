@@ -51,10 +51,6 @@ class Req:
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
-    grammar: Any = None
-    """Constrained decoding: the request's :class:`~framework.grammar.base.GrammarMatcher`."""
-    grammar_future: Any = None
-    """While its grammar compiles: the compile's future (the request is in the grammar queue)."""
 
     # KV state. ``kv_len`` positions of ``req_to_token[req_pool_idx]`` hold valid slots; the first
     # ``prefix_len`` of them belong to the prefix cache (locked through ``last_node``).

@@ -137,6 +137,7 @@ class Scheduler:
         if req.wants_prompt_logprobs() and req.logprob_start_len == 0:
             req.input_logprobs.append(None)  # the first prompt token has no logprob
             req.input_top_logprobs.append(None)
+            req.input_token_ids_logprobs.append(None)
         if sp.max_new_tokens == 0 and self.pd is not None:
             raise AdmissionError("max_new_tokens must be >= 1 with prefill/decode disaggregation")
         if sp.max_new_tokens == 0 and not req.wants_prompt_logprobs():

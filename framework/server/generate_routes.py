@@ -27,7 +27,7 @@ from framework.server.tokenizer_manager import Event, SubRequest
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default ``max_new_tokens`` (capped by what the context leaves after the prompt)."""
 _LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs",
-                 "output_token_ids_logprobs")
+                 "output_token_ids_logprobs", "input_token_ids_logprobs")
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:

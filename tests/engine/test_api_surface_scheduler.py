@@ -75,15 +75,19 @@ def test_token_ids_logprob_matches_transformers(tiny_model: Path) -> None:
     watched = [3, 17, vocab - 1]
     prompt = [11, 12, 13, 14, 15]
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-    req = Req(rid="t", input_ids=prompt, sampling_params=params, return_logprob=True, token_ids_logprob=watched)
+    req = Req(rid="t", input_ids=prompt, sampling_params=params, return_logprob=True, token_ids_logprob=watched,
+              logprob_start_len=0)
     eng.scheduler.add_request(req)
     rows: list = []
+    prompt_rows: list = []
     out_ids: list[int] = []
     while eng.scheduler.has_work():
         for out in eng.scheduler.step():
             out_ids += out.new_token_ids
             rows += out.new_token_ids_logprobs or []
+            prompt_rows += out.input_token_ids_logprobs or []
     assert len(rows) == len(out_ids) == 4
+    assert len(prompt_rows) == len(prompt) and prompt_rows[0] is None  # the first token has no context
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + out_ids])).logits[0].float()
     ref = torch.log_softmax(logits, -1)
@@ -91,3 +95,6 @@ def test_token_ids_logprob_matches_transformers(tiny_model: Path) -> None:
         assert [t for t, _ in row] == watched
         expected = ref[len(prompt) - 1 + pos, watched]
         torch.testing.assert_close(torch.tensor([lp for _, lp in row]), expected, rtol=1e-4, atol=1e-4)
+    for pos, row in enumerate(prompt_rows[1:], start=1):  # prompt token pos is predicted at pos - 1
+        assert [t for t, _ in row] == watched
+        torch.testing.assert_close(torch.tensor([lp for _, lp in row]), ref[pos - 1, watched], rtol=1e-4, atol=1e-4)
