@@ -93,6 +93,18 @@ def register_schedule_policies(register: Register) -> None:
 
 
 @hookspec
+def register_memory_savers(register: Register) -> None:
+    """Register memory savers (what ``/release_memory_occupation`` uses to free memory).
+
+    Factory signature: ``factory(options) -> MemorySaver``. The model runner allocates weights, KV
+    cache and request pool inside ``saver.region(tag)`` and then calls ``saver.track(tag, tensors,
+    keep_contents)``; releases and resumes call ``pause(tag)`` / ``resume(tag)``. Declare the devices
+    it runs on and its ``auto`` priority with ``capabilities``. See
+    :class:`framework.memory.memory_saver.MemorySaver`.
+    """
+
+
+@hookspec
 def register_grammar_backends(register: Register) -> None:
     """Register grammar backends for constrained decoding (``grammar.backend``, options in
     ``grammar.options``): JSON schema, regex, EBNF and structural-tag constraints.

@@ -19,6 +19,7 @@ KIND_HOOKS: dict[str, str] = {
     "grammar_backend": "register_grammar_backends",
     "tool_parser": "register_tool_parsers",
     "reasoning_parser": "register_reasoning_parsers",
+    "memory_saver": "register_memory_savers",
 }
 
 

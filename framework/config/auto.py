@@ -20,7 +20,8 @@ AUTO_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 1024}
 """``scheduler.max_prefill_tokens: null`` per device (see the schema's docstring for why CPU differs)."""
 
 #: (name key, registry kind) of the components whose declared devices are checked.
-DEVICE_CHECKED = (("attention.backend", "attention_backend"), ("memory_pool.name", "memory_pool"))
+DEVICE_CHECKED = (("attention.backend", "attention_backend"), ("memory_pool.name", "memory_pool"),
+                  ("memory_saver.name", "memory_saver"))
 
 
 def _mode(cfg: DictConfig) -> str | None:
@@ -48,6 +49,8 @@ def resolve_auto(cfg: DictConfig) -> None:
         cfg.memory_pool.name = _auto(registry, "memory_pool", device, "memory_pool.name", needs)
     if cfg.grammar.backend == "auto":
         cfg.grammar.backend = _auto(registry, "grammar_backend", device, "grammar.backend")
+    if cfg.memory_saver.name == "auto":
+        cfg.memory_saver.name = _auto(registry, "memory_saver", device, "memory_saver.name")
     supports = None
     if registry.has("attention_backend", cfg.attention.backend):
         supports = registry.get("attention_backend", cfg.attention.backend).capabilities.cuda_graph

@@ -39,6 +39,7 @@ COMPONENT_SLOTS: tuple[tuple[str, str, str], ...] = (
     ("scheduler.policy", "scheduler.policy_options", "schedule_policy"),
     ("grammar.backend", "grammar.options", "grammar_backend"),
     ("disaggregation.transfer_backend", "disaggregation.transfer_options", "transfer_backend"),
+    ("memory_saver.name", "memory_saver.options", "memory_saver"),
 )
 
 #: (key of an optional component name, registry kind): null means "none"; they take no options.

@@ -104,6 +104,17 @@ class MemoryPoolConfig:
 
 
 @dataclass
+class MemorySaverConfig:
+    """The memory-saver plugin: how ``/release_memory_occupation`` frees weights and KV cache."""
+
+    name: str = "auto"
+    """A registered memory saver; auto: the highest ``auto_priority`` one that can run on the
+    device (built-ins: cpu on CPU, torch_memory_saver on CUDA when the package is installed, else
+    none, which refuses releases)."""
+    options: Any = field(default_factory=dict)
+
+
+@dataclass
 class KVCacheConfig:
     """Paged KV cache sizing."""
 
@@ -266,6 +277,11 @@ class ServerConfig:
     """On SIGTERM / Ctrl-C: how long open requests may finish (then each still open gets a 503, or
     in a stream a final chunk with finish reason abort, an error event and ``[DONE]``), then how
     long the scheduler process has to exit before it is terminated."""
+    max_weight_update_bytes: int = 1 << 30
+    """Body limit of ``/update_weights_from_tensor`` (base64 tensors; send big models in chunks)."""
+    rollout_timeout_s: float = 600.0
+    """How long an RL call (``/release_memory_occupation``, ``/update_weights_*``, ...) may wait for
+    the scheduler: for running requests to finish, weights to load, a trainer to join a group."""
 
 
 @dataclass
@@ -296,6 +312,7 @@ class PlugserveConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     memory_pool: MemoryPoolConfig = field(default_factory=MemoryPoolConfig)
+    memory_saver: MemorySaverConfig = field(default_factory=MemorySaverConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     radix_cache: RadixCacheConfig = field(default_factory=RadixCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

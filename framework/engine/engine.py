@@ -17,6 +17,7 @@ from framework.config.loader import resolve_config, to_settings
 from framework.config.schema import PlugserveConfig
 from framework.disaggregation.factory import make_pd_side
 from framework.engine.request_state import RequestState, make_sampling_params
+from framework.engine.rollout_api import RolloutMethods
 from framework.executor.model_runner import ModelRunner
 from framework.models.loader import load_generation_config
 from framework.sampling.params import SamplingParams, choice_seed
@@ -36,8 +37,9 @@ def eos_token_ids(generation_defaults: dict[str, Any], tokenizer: Any) -> list[i
     return list(ids) if isinstance(ids, list | tuple) else [int(ids)]
 
 
-class Engine:
-    """Load a model from config and generate with it in this process."""
+class Engine(RolloutMethods):
+    """Load a model from config and generate with it in this process (RL methods: see
+    :class:`~framework.engine.rollout_api.RolloutMethods`)."""
 
     def __init__(
         self,

@@ -19,8 +19,10 @@ from framework.config.schema import PlugserveConfig
 from framework.errors import ConfigError
 from framework.executor.cuda_graph_runner import CudaGraphRunner, maybe_create_cuda_graph_runner
 from framework.executor.forward_batch import ForwardBatch
+from framework.executor.weights import ModelWeights
 from framework.memory.kv_allocator import PagedKVAllocator
 from framework.memory.kv_cache import KVCache
+from framework.memory.memory_saver import MEMORY_TAGS, MemorySaver
 from framework.models.cpu_linear import onednn_linear_available, pack_linear_layers, packable_dtypes
 from framework.models.loader import build_model, config_dtype, load_hf_config, resolve_dtype
 from framework.plugins import get_registry
@@ -50,6 +52,9 @@ class ModelRunner:
 
     def __init__(self, settings: PlugserveConfig, progress: bool = True) -> None:
         self.settings = settings
+        self.released_tags: set[str] = set()
+        self.weight_version = "default"
+        """What the trainer called the weights now served (``weight_version`` of an update)."""
         self.device = torch.device(settings.device.device.value)
         if self.device.type == "cpu" and settings.device.num_threads:
             torch.set_num_threads(settings.device.num_threads)
@@ -66,11 +71,16 @@ class ModelRunner:
         )
         self.architecture = arch
         self.dtype = resolve_dtype(config_dtype(self.hf_config), settings.model.dtype.value, self.device)
-        self.model = build_model(
-            self.hf_config, model_comp.factory, model_options, self.dtype, self.device, path, progress
-        )
+        saver_comp = registry.get("memory_saver", settings.memory_saver.name, key="memory_saver.name")
+        self.memory_saver: MemorySaver = saver_comp.factory(saver_comp.make_options(settings.memory_saver.options))
+        with self.memory_saver.region("weights"):
+            self.model = build_model(
+                self.hf_config, model_comp.factory, model_options, self.dtype, self.device, path, progress
+            )
         self.vocab_size = int(self.hf_config.vocab_size)
         self.linear_impl = self._pack_cpu_linears(settings.device.cpu_linear.value)
+        self.weights = ModelWeights(self.model, model_comp.factory, model_options, self.hf_config, self.dtype,
+                                    packed=self.linear_impl == "onednn", saver=self.memory_saver)
 
         self.plan = self._plan_memory()
         kv_dtype = self.dtype if settings.kv_cache.dtype.value == "auto" else getattr(
@@ -78,25 +88,29 @@ class ModelRunner:
         )
         text_cfg = self.hf_config
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-        self.kv_cache = KVCache(
-            num_layers=text_cfg.num_hidden_layers,
-            num_pages=self.plan.num_pages,
-            page_size=self.plan.page_size,
-            num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads,
-            head_dim=head_dim,
-            dtype=kv_dtype,
-            device=self.device,
-        )
-        self.allocator = PagedKVAllocator(self.plan.num_pages, self.plan.page_size, self.device)
+        # The KV cache and the request pool are released together (SGLang allocates its request
+        # pools in the same saver region).
+        with self.memory_saver.region("kv_cache"):
+            self.kv_cache = KVCache(
+                num_layers=text_cfg.num_hidden_layers,
+                num_pages=self.plan.num_pages,
+                page_size=self.plan.page_size,
+                num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads,
+                head_dim=head_dim,
+                dtype=kv_dtype,
+                device=self.device,
+            )
+            self.allocator = PagedKVAllocator(self.plan.num_pages, self.plan.page_size, self.device)
 
-        pool_comp = registry.get("memory_pool", settings.memory_pool.name, key="memory_pool.name")
-        self.req_pool = pool_comp.factory(
-            self.plan.max_running_requests,
-            self.plan.context_len + self.plan.page_size,
-            self.device,
-            pool_comp.make_options(settings.memory_pool.options),
-        )
-        self.req_to_token = self.req_pool.req_to_token
+            pool_comp = registry.get("memory_pool", settings.memory_pool.name, key="memory_pool.name")
+            self.req_pool = pool_comp.factory(
+                self.plan.max_running_requests,
+                self.plan.context_len + self.plan.page_size,
+                self.device,
+                pool_comp.make_options(settings.memory_pool.options),
+            )
+            self.req_to_token = self.req_pool.req_to_token
+        self.memory_saver.track("kv_cache", [*self.kv_cache.k_buffers, *self.kv_cache.v_buffers], keep_contents=False)
 
         attn_comp = registry.get("attention_backend", settings.attention.backend, key="attention.backend")
         self.attn_backend = attn_comp.factory(self, attn_comp.make_options(settings.attention.options))
@@ -106,7 +120,8 @@ class ModelRunner:
             self.plan.max_running_requests, self.plan.context_len,
         )
         # Last: capture needs the model, the KV cache, the request table and the backend. None on CPU.
-        self.cuda_graph_runner: CudaGraphRunner | None = maybe_create_cuda_graph_runner(self, settings.cuda_graph)
+        with self.memory_saver.region("cuda_graph"):
+            self.cuda_graph_runner: CudaGraphRunner | None = maybe_create_cuda_graph_runner(self, settings.cuda_graph)
 
     def _pack_cpu_linears(self, choice: str) -> str:
         """Swap linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
@@ -176,6 +191,27 @@ class ModelRunner:
             hidden = hidden.index_select(0, batch.logits_indices)
         return self.model.compute_logits(hidden).float()
 
+    # -- memory release (RL) ----------------------------------------------------------------
+
+    def release_memory(self, tags: list[str]) -> None:
+        """Free the memory of ``tags`` through the memory saver. The caller makes sure no request
+        holds KV and the prefix cache is empty before ``kv_cache`` goes."""
+        if "weights" in tags:
+            self.weights.release()
+        for tag in ("kv_cache", "cuda_graph"):
+            if tag in tags and tag not in self.released_tags:
+                self.memory_saver.pause(tag)
+        self.released_tags.update(t for t in tags if t in MEMORY_TAGS)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Bring ``tags`` back (weights with their contents, KV cache zeroed)."""
+        for tag in ("cuda_graph", "kv_cache"):
+            if tag in tags and tag in self.released_tags:
+                self.memory_saver.resume(tag)
+        if "weights" in tags:
+            self.weights.resume()
+        self.released_tags.difference_update(tags)
+
     def describe(self) -> dict[str, Any]:
         """What /model_info and /server_info report about the loaded model and memory."""
         return {
@@ -191,5 +227,6 @@ class ModelRunner:
             "attention_backend": self.settings.attention.backend,
             "memory_pool": self.settings.memory_pool.name,
             "cpu_linear": self.linear_impl,
+            "memory_saver": self.memory_saver.name,
             "cuda_graph_batch_sizes": self.cuda_graph_runner.sizes if self.cuda_graph_runner else None,
         }

@@ -188,6 +188,8 @@ def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
         if not isinstance(module, FusableSwiGLU):
             continue
         gate_up, act = getattr(module, "gate_up_proj", None), getattr(module, "act", None)
+        if isinstance(gate_up, PackedSwiGLU):
+            continue  # packed already (a repack after a weight update packs only what was unpacked)
         if not isinstance(gate_up, nn.Linear) or not isinstance(act, SiluAndMul):
             raise TypeError(f"{type(module).__name__} declares FusableSwiGLU but has no nn.Linear gate_up_proj "
                             "and SiluAndMul act")
@@ -226,3 +228,48 @@ def _shared_parameter_ids(model: nn.Module) -> set[int]:
         for _, param in module.named_parameters(recurse=False):
             seen[id(param)] = seen.get(id(param), 0) + 1
     return {pid for pid, count in seen.items() if count > 1}
+
+
+def _dense_from_packed(packed: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[out, in]`` weight a packed oneDNN weight was made from. oneDNN's reordered layout is
+    opaque, so it is read back through the GEMM itself: ``I @ W^T`` is exact (every product but one
+    is a multiplication by zero, and adding zeros rounds nothing), checked bitwise in the tests."""
+    eye = torch.eye(in_features, dtype=dtype)
+    return torch.ops.mkldnn._linear_pointwise(eye, packed, None, "none", [], "").t().contiguous()
+
+
+def _unpacked_linear(weight: torch.Tensor | nn.Parameter, bias: torch.Tensor | None) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
+    linear.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
+
+
+def unpack_linear_layers(model: nn.Module, names: set[str] | None = None) -> int:
+    """Undo :func:`pack_linear_layers` (for the modules named in ``names``, or all): put back plain
+    ``nn.Linear`` layers (and the SwiGLU activation) with the same weights, so weight updates can
+    write HF-named tensors and the memory saver can release dense storage. Returns how many were
+    unpacked; :func:`pack_linear_layers` packs them again."""
+    from framework.models.layers import SiluAndMul
+
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if names is not None and full not in names:
+                continue
+            if isinstance(child, PackedLinear):
+                weight = child.weight if child.weight is not None else _dense_from_packed(
+                    child.packed_weight, child.in_features, child.packed_weight.dtype)
+                setattr(parent, name, _unpacked_linear(weight, child.bias))
+                count += 1
+            elif isinstance(child, PackedSwiGLU):
+                dtype = child.gate.dtype
+                gate = _dense_from_packed(child.gate, child.in_features, dtype)
+                up = _dense_from_packed(child.up, child.in_features, dtype)
+                bias = None if child.gate_bias is None else torch.cat([child.gate_bias, child.up_bias])
+                setattr(parent, name, _unpacked_linear(torch.cat([gate, up]), bias))
+                parent.act = SiluAndMul()
+                count += 1
+    return count

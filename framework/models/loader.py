@@ -86,7 +86,9 @@ def config_dtype(hf_config: Any) -> Any:
     return getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
 
 
-def _safetensors_files(path: str) -> list[str]:
+def safetensors_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory (by its index, else the single file, else
+    every ``*.safetensors``); FileNotFoundError when there are none."""
     index = os.path.join(path, _SAFETENSORS_INDEX)
     if os.path.exists(index):
         with open(index) as f:
@@ -111,7 +113,7 @@ def iter_safetensors_weights(path: str | os.PathLike[str], progress: bool = True
     from safetensors import safe_open
     from tqdm import tqdm
 
-    files = _safetensors_files(os.fspath(path))
+    files = safetensors_files(os.fspath(path))
     handles = [safe_open(f, framework="pt", device="cpu") for f in files]
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
@@ -138,7 +140,8 @@ def load_generation_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.set_default_dtype`` for the duration of a ``with`` block."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -182,7 +185,7 @@ def build_model(
     checkpoint did not provide is detected and reported by name. Tied parameters count once.
     """
     device = torch.device(device)
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), default_dtype(dtype):
         model = factory(hf_config, options)
     groups = _tied_groups(model)
     model = model.to_empty(device=device)

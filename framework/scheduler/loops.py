@@ -37,6 +37,10 @@ class StepLoop:
         """Work of the loop's own (a forward in flight)."""
         return False
 
+    def drain(self) -> None:
+        """Land the forward in flight, if any (its tokens are applied); afterwards the scheduler's
+        state is complete and nothing runs until the next :meth:`step`."""
+
     def close(self) -> None:
         """Finish what is in flight and stop any thread the loop owns."""
 

@@ -42,6 +42,7 @@ from framework.scheduler.overlap import OverlapLoop
 from framework.scheduler.pd import PDSideFactory
 from framework.scheduler.prefill_planner import PrefillPlan, PrefillPlanner
 from framework.scheduler.request import FinishReason, Req
+from framework.scheduler.rollout import RolloutControl
 from framework.scheduler.stats import BatchStats, RequestStats
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,12 @@ class Scheduler:
         self.cache_hit_tokens = 0
         self.prompt_tokens_seen = 0
         self._pending: list[RequestOutput] = []
+        self.holds: set[str] = set()
+        """Why no batch may run now (``paused``, ``released``: see ``framework.scheduler.rollout``)."""
+        self.hold_admission = False
+        """Start no new prefill (an exclusive rollout call waits for the running requests)."""
         self.loop: StepLoop = OverlapLoop(self) if self.cfg.overlap else SyncLoop(self)
+        self.rollout = RolloutControl(self)
         self.pd = pd_side(self) if pd_side is not None else None  # None in unified mode
         if settings.disaggregation.mode is not None and self.pd is None:
             raise ConfigError("disaggregation.mode is set but this scheduler was built without a PD side "
@@ -129,6 +135,9 @@ class Scheduler:
                 f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
                 f"{total} exceeds the context length {self.context_len}"
             )
+        if "released" in self.holds:
+            raise UnavailableError("the server's memory is released (release_memory_occupation); "
+                                   "resume_memory_occupation first")
         if self.cfg.max_queued_requests is not None and len(self.waiting) >= self.cfg.max_queued_requests:
             raise QueueFullError(f"the waiting queue is full ({self.cfg.max_queued_requests} requests)")
         if req.priority not in (None, 0) and not getattr(self.policy, "uses_priority", False):
@@ -176,6 +185,8 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
+        if self.holds:
+            return bool(self._pending)
         pd_work = self.pd is not None and self.pd.has_work()
         return bool(self.waiting or self.running or self.chunked or self._pending or self.loop.has_work() or pd_work
                     or self.grammar.pending)
@@ -188,7 +199,8 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         """Run one batch (prefill if any can be formed, else decode); return output deltas."""
         self._admit_compiled()
-        self.loop.step()
+        if not self.holds:
+            self.loop.step()
         out, self._pending = self._pending, []
         return out
 
@@ -217,7 +229,8 @@ class Scheduler:
 
     def plan_prefill(self) -> PrefillPlan:
         """The next prefill batch the waiting queue and the chunked request allow (maybe empty)."""
-        return self.planner.plan(self.waiting, self.running, self.chunked, self.new_token_ratio)
+        waiting = [] if self.hold_admission else self.waiting
+        return self.planner.plan(waiting, self.running, self.chunked, self.new_token_ratio)
 
     def run_prefill(self, reqs: list[Req], chunked: Req | None) -> bool:
         """Prefill ``reqs``; False if not even one of them could get KV (decode runs instead)."""
@@ -298,6 +311,26 @@ class Scheduler:
         remaining ``max_new_tokens`` when admitting prefills (SGLang's scheme)."""
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_step)
 
+    def retract(self, req: Req) -> None:
+        """Take a running (or mid-prefill) request back to the front of the waiting queue; its
+        computed KV goes to the prefix cache, and it is prefilled again later."""
+        if req is self.chunked:
+            self.chunked = None
+            req.extend_len = 0
+        elif req in self.running:
+            self.running.remove(req)
+        self.kv.release(req)
+        req.retractions += 1
+        self.num_retractions += 1
+        self.waiting.insert(0, req)
+
+    def retract_all(self) -> int:
+        """Retract every running request (``pause_generation`` mode retract); how many."""
+        victims = list(self.running) + ([self.chunked] if self.chunked is not None else [])
+        for req in sorted(victims, key=lambda r: r.arrival_time, reverse=True):
+            self.retract(req)  # newest first, so the oldest ends up first in the queue
+        return len(victims)
+
     def _make_room_for_decode(self) -> None:
         """Retract the newest requests until this step fits in KV; after a retraction, also keep
         ``retract_decode_steps`` steps of headroom so the batch does not retract again at once."""
@@ -316,12 +349,7 @@ class Scheduler:
                 req.finished_reason = FinishReason("abort", message="KV cache too small for this request")
                 self.finish(req, error=req.finished_reason.message)
                 break
-            victim = max(self.running, key=lambda r: r.arrival_time)
-            self.running.remove(victim)
-            self.kv.release(victim)  # its computed KV stays in the prefix cache, evictable
-            victim.retractions += 1
-            self.num_retractions += 1
-            self.waiting.insert(0, victim)
+            self.retract(max(self.running, key=lambda r: r.arrival_time))  # its KV stays cached, evictable
             retracted = True
         if retracted:
             self.new_token_ratio = self.cfg.init_new_token_ratio
@@ -455,5 +483,9 @@ class Scheduler:
         }
 
 
-class QueueFullError(AdmissionError):
+class UnavailableError(AdmissionError):
+    """The server cannot take requests now (HTTP 503): memory released, queue full."""
+
+
+class QueueFullError(UnavailableError):
     """The waiting queue is at ``scheduler.max_queued_requests`` (HTTP 503 with Retry-After)."""

@@ -10,7 +10,7 @@ from starlette.routing import BaseRoute
 
 from framework.errors import PluginError
 from framework.plugins import get_plugins
-from framework.server import generate_routes, openai_routes, ops_routes, tokenize_routes
+from framework.server import generate_routes, openai_routes, ops_routes, rollout_routes, tokenize_routes
 from framework.server.errors import EXCEPTION_HANDLERS
 from framework.server.state import ServerState
 
@@ -18,7 +18,8 @@ logger = logging.getLogger("plugserve.server")
 
 
 def core_routes() -> list[BaseRoute]:
-    return [*generate_routes.ROUTES, *openai_routes.ROUTES, *ops_routes.ROUTES, *tokenize_routes.ROUTES]
+    return [*generate_routes.ROUTES, *openai_routes.ROUTES, *ops_routes.ROUTES, *tokenize_routes.ROUTES,
+            *rollout_routes.ROUTES]
 
 
 def plugin_routes(config: Any, taken: set[str]) -> list[BaseRoute]:

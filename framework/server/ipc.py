@@ -57,13 +57,21 @@ class Control(msgspec.Struct, tag="control"):
 
     call_id: int
     kind: str
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Arguments of the call (RL calls: tags, paths, tensor names; tensors as safetensors bytes)."""
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     """Stop the scheduler loop and exit."""
 
 
-CONTROL_KINDS = ("flush_cache", "get_load", "server_info")
+ROLLOUT_KINDS = ("pause_generation", "continue_generation", "release_memory_occupation",
+                 "resume_memory_occupation", "update_weights_from_disk", "update_weights_from_tensor",
+                 "init_weights_update_group", "update_weights_from_distributed",
+                 "destroy_weights_update_group", "get_weights_by_name")
+"""The RL calls (``framework.scheduler.rollout``), answered by ``framework.server.rollout_calls``."""
+
+CONTROL_KINDS = ("flush_cache", "get_load", "server_info", *ROLLOUT_KINDS)
 
 ToScheduler = GenerateBatch | Abort | Control | Shutdown
 

@@ -140,11 +140,22 @@ def _http_server(app: Starlette, settings: PlugserveConfig, manager: TokenizerMa
     """uvicorn over the guarded app and connection protocol, with plugserve's graceful drain."""
     from framework.server.connection import ConnectionLimits, protocol_class
     from framework.server.graceful import GracefulServer, uvicorn_timeout
-    from framework.server.request_guard import GuardLimits, Lifecycle, RequestGuard, shutting_down_error
+    from framework.server.request_guard import (
+        GuardLimits,
+        Lifecycle,
+        RequestGuard,
+        bearer_matches,
+        shutting_down_error,
+    )
 
     opts = settings.server
     lifecycle = Lifecycle()
-    guarded = RequestGuard(app, GuardLimits(opts.max_body_bytes, opts.body_read_timeout_s), lifecycle)
+    limits = GuardLimits(
+        opts.max_body_bytes, opts.body_read_timeout_s,
+        large_bodies={"/update_weights_from_tensor": (opts.max_weight_update_bytes, "server.max_weight_update_bytes")},
+        large_body_allowed=bearer_matches(opts.admin_key or opts.api_key),
+    )
+    guarded = RequestGuard(app, limits, lifecycle)
     config = uvicorn.Config(
         guarded, log_level=opts.log_level, access_log=opts.log_requests, lifespan="off",
         http=protocol_class(ConnectionLimits(opts.max_connections, opts.header_read_timeout_s)),

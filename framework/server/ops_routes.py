@@ -22,6 +22,7 @@ from framework.server.errors import APIError
 from framework.server.http_utils import parse_model, require_bearer
 from framework.server.protocol import REQUEST_MODELS, AbortRequest
 from framework.server.request_builder import new_rid
+from framework.server.rollout_routes import ROLLOUT_REQUEST_MODELS
 from framework.server.state import ServerState
 from framework.server.tokenizer_manager import SubRequest
 
@@ -143,10 +144,11 @@ async def abort_request(request: Request) -> Response:
 
 def openapi_schema() -> dict[str, Any]:
     """OpenAPI 3.1 document of the POST bodies, built from the pydantic request models."""
-    _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS.values()],
+    models = [*REQUEST_MODELS.values(), *ROLLOUT_REQUEST_MODELS.values()]
+    _, defs = models_json_schema([(m, "validation") for m in models],
                                  ref_template="#/components/schemas/{model}")
     paths: dict[str, Any] = {}
-    for path, model in REQUEST_MODELS.items():
+    for path, model in {**REQUEST_MODELS, **ROLLOUT_REQUEST_MODELS}.items():
         paths[path] = {"post": {
             "summary": (model.__doc__ or "").strip().splitlines()[0],
             "requestBody": {"required": True, "content": {"application/json": {

@@ -17,9 +17,11 @@ be on the way.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,6 +41,16 @@ class GuardLimits:
 
     max_body_bytes: int
     body_read_timeout_s: float
+    large_bodies: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """path -> (limit, config key) for routes whose bodies are legitimately big (weight updates);
+    they apply only to requests that :attr:`large_body_allowed` accepts (the admin's)."""
+    large_body_allowed: Callable[[Scope], bool] = field(default=lambda scope: False)
+
+
+    def large_body_paths_get(self, scope: Scope) -> tuple[int, str] | None:
+        """The big-body limit of this request's path, if it has one and the request may use it."""
+        large = self.large_bodies.get(scope.get("path", ""))
+        return large if large is not None and self.large_body_allowed(scope) else None
 
 
 class Lifecycle:
@@ -104,10 +116,13 @@ class RequestGuard:
                                              type="server_error"))
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.limits.max_body_bytes
+        limit, key = self.limits.max_body_bytes, "server.max_body_bytes"
+        large = self.limits.large_body_paths_get(scope)
+        if large is not None:
+            limit, key = large
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _too_large(limit)
+            raise _too_large(limit, key)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.limits.body_read_timeout_s
         chunks: list[bytes] = []
@@ -120,7 +135,7 @@ class RequestGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise _too_large(limit)
+                raise _too_large(limit, key)
             chunks.append(chunk)
             more = message.get("more_body", False)
         return b"".join(chunks)
@@ -206,9 +221,20 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _too_large(limit: int) -> APIError:
+def bearer_matches(key: str | None) -> Callable[[Scope], bool]:
+    """A check that a request carries ``Authorization: Bearer <key>`` (always true without a key)."""
+    def check(scope: Scope) -> bool:
+        if key is None:
+            return True
+        scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    return check
+
+
+def _too_large(limit: int, key: str) -> APIError:
     return APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
-                         "(server.max_body_bytes)", code="request_too_large")
+                         f"({key})", code="request_too_large")
 
 
 def _shutting_down() -> APIError:

@@ -43,6 +43,8 @@ class SchedulerLoop:
         self.send = send
         self.parent_pid = parent_pid
         self.stopping = False
+        self._deferred: list[ipc.Control] = []
+        """Exclusive rollout calls waiting for the model to be free (see framework.scheduler.rollout)."""
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -51,6 +53,7 @@ class SchedulerLoop:
             self._receive(block=not self.scheduler.has_work())
             if self.stopping:
                 break
+            self._run_deferred()
             if self.scheduler.has_work():
                 outputs = self._step()
                 if outputs:
@@ -82,14 +85,20 @@ class SchedulerLoop:
             for rid in msg.rids:
                 self.scheduler.abort(rid)
         elif isinstance(msg, ipc.Control):
-            self._control(msg)
+            from framework.scheduler.rollout import EXCLUSIVE_CALLS
+
+            if msg.kind in EXCLUSIVE_CALLS:
+                self._deferred.append(msg)
+                self.scheduler.hold_admission = True  # running requests finish; waiting ones wait
+            else:
+                self._control(msg)
         elif isinstance(msg, ipc.Shutdown):
             self.stopping = True
 
     def _add(self, batch: ipc.GenerateBatch) -> None:
         from framework.sampling.params import SamplingParams
         from framework.scheduler.request import Req
-        from framework.scheduler.scheduler import AdmissionError, QueueFullError
+        from framework.scheduler.scheduler import AdmissionError, UnavailableError
 
         added: list[str] = []
         group = batch.reqs[0].rid if len(batch.reqs) > 1 else None  # unique while any of them lives
@@ -113,7 +122,7 @@ class SchedulerLoop:
                 self.scheduler.add_request(req)
                 added.append(g.rid)
             return
-        except QueueFullError as exc:
+        except UnavailableError as exc:  # queue full, memory released
             status, message = 503, str(exc)
         except (AdmissionError, ValueError, TypeError) as exc:
             status, message = 400, str(exc)
@@ -125,9 +134,19 @@ class SchedulerLoop:
         rids = [g.rid for g in batch.reqs]
         self.send.send(ipc.encode(ipc.Rejected(rids=rids, message=message, status=status)))
 
+    def _run_deferred(self) -> None:
+        """Run the exclusive calls that waited, once the model is free."""
+        while self._deferred and self.scheduler.rollout.ready():
+            self._control(self._deferred.pop(0))
+        self.scheduler.hold_admission = bool(self._deferred)
+
     def _control(self, msg: ipc.Control) -> None:
+        from framework.scheduler.rollout import RolloutError
+
         try:
-            ok, data = True, self._control_data(msg.kind)
+            ok, data = True, self._control_data(msg.kind, msg.args)
+        except RolloutError as exc:
+            ok, data = False, {"error": exc.message, "status": exc.status, "param": exc.param}
         except Exception as exc:
             logger.exception("control call %s failed", msg.kind)
             ok, data = False, {"error": f"{type(exc).__name__}: {exc}"}
@@ -135,7 +154,11 @@ class SchedulerLoop:
             ok = bool(data["flushed"])
         self.send.send(ipc.encode(ipc.ControlReply(call_id=msg.call_id, ok=ok, data=data)))
 
-    def _control_data(self, kind: str) -> dict[str, Any]:
+    def _control_data(self, kind: str, args: dict[str, Any]) -> dict[str, Any]:
+        from framework.server.rollout_calls import dispatch
+
+        if kind in ipc.ROLLOUT_KINDS:
+            return dispatch(self.scheduler.rollout, kind, args)
         if kind == "flush_cache":
             return {"flushed": self.scheduler.flush_cache()}
         if kind == "get_load":

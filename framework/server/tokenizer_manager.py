@@ -250,13 +250,14 @@ class TokenizerManager:
             await self.push.send(ipc.encode(ipc.Abort(rids=rids)))
         return rids
 
-    async def control(self, kind: str, timeout: float) -> tuple[bool, dict[str, Any]]:
-        """A control call to the scheduler (``flush_cache``, ``get_load``, ``server_info``)."""
+    async def control(self, kind: str, timeout: float,
+                      args: dict[str, Any] | None = None) -> tuple[bool, dict[str, Any]]:
+        """A control call to the scheduler (one of :data:`framework.server.ipc.CONTROL_KINDS`)."""
         self._check_alive()
         call_id = next(self._call_ids)
         fut: asyncio.Future[tuple[bool, dict[str, Any]]] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self.push.send(ipc.encode(ipc.Control(call_id=call_id, kind=kind)))
+        await self.push.send(ipc.encode(ipc.Control(call_id=call_id, kind=kind, args=args or {})))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:

@@ -191,6 +191,14 @@ class LlamaForCausalLM(nn.Module):
             start += size
         return bounds
 
+    def hf_weight_location(self, name: str) -> tuple[str, tuple[int, int] | None]:
+        """Where an HF-named tensor lives here: the parameter's name and, for a shard of a merged
+        parameter (q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), its row range."""
+        for hf_part, ours, shard in self.stacked_params:
+            if f".{hf_part}." in name:
+                return name.replace(f".{hf_part}.", f".{ours}."), self._shard_slices(ours)[shard]
+        return name, None
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into this module (casting to the parameter's dtype and device).
@@ -206,12 +214,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # some old checkpoints saved HF's computed buffer; we compute our own
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the tied lm_head is the embedding itself
-            target, rows = name, None
-            for hf_part, ours, shard in self.stacked_params:
-                if f".{hf_part}." in name:
-                    target = name.replace(f".{hf_part}.", f".{ours}.")
-                    rows = self._shard_slices(ours)[shard]
-                    break
+            target, rows = self.hf_weight_location(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}")
