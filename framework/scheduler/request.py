@@ -51,6 +51,10 @@ class Req:
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
+    grammar: Any = None
+    """Constrained decoding: the request's :class:`~framework.grammar.base.GrammarMatcher`."""
+    grammar_future: Any = None
+    """While its grammar compiles: the compile's future (the request is in the grammar queue)."""
 
     # KV state. ``kv_len`` positions of ``req_to_token[req_pool_idx]`` hold valid slots; the first
     # ``prefix_len`` of them belong to the prefix cache (locked through ``last_node``).
@@ -74,6 +78,8 @@ class Req:
     output_token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    """Per prompt position from ``logprob_start_len`` on, (id, logprob) of each ``token_ids_logprob``."""
     first_token_time: float | None = None
     sent_len: int = 0
     """Output tokens already reported to the caller."""

@@ -188,9 +188,12 @@ def test_token_ids_logprob_and_text_in_logprobs(http: httpx.Client, hf_tok) -> N
     body = http.post("/generate", json={
         "text": TEXT, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True, **GREEDY},
         "return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": watched,
-        "return_text_in_logprobs": True,
+        "return_text_in_logprobs": True, "logprob_start_len": 0,
     }).json()
     meta = body["meta_info"]
+    prompt_rows = meta["input_token_ids_logprobs"]
+    assert len(prompt_rows) == meta["prompt_tokens"] and prompt_rows[0] is None
+    assert all([t for _, t, _ in row] == watched for row in prompt_rows[1:])
     rows = meta["output_token_ids_logprobs"]
     assert len(rows) == len(body["output_ids"]) == 5
     for pos, row in enumerate(rows):
