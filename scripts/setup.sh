@@ -19,8 +19,8 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
 # triton runs its kernels on CPU under TRITON_INTERPRET=1 (the attention tests); mooncake and nixl
-# are the KV transfer libraries the PD tests use; xgrammar is the grammar backend (constrained decoding).
-.venv/bin/python -m pip install -q -e ".[test,bench,triton,mooncake,nixl,grammar]"
+# are the KV transfer libraries the PD tests use; xgrammar and llguidance are the grammar backends (constrained decoding).
+.venv/bin/python -m pip install -q -e ".[test,bench,triton,mooncake,nixl,grammar,llguidance]"
 .venv/bin/python -m pip install -q --no-deps -e tests/plugins/plugserve-example-plugin
 # Fault injection for the PD fault tests (a stalling transfer backend), kept out of the product.
 .venv/bin/python -m pip install -q --no-deps -e tests/plugins/plugserve-fault-plugin

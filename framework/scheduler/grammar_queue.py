@@ -115,7 +115,8 @@ class GrammarQueue:
             # The sampler only draws allowed tokens; reaching this is a backend bug.
             return FinishReason("abort", message=f"the grammar refused the sampled token {token_id}")
         if req.grammar.is_terminated():
-            return FinishReason("stop", matched=token_id)
+            # Terminated by a stop token (xgrammar), or complete with nothing but EOS left (llguidance).
+            return FinishReason("stop", matched=token_id if token_id in req.eos_token_ids else None)
         return None
 
     def close(self) -> None:

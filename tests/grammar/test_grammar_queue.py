@@ -104,9 +104,10 @@ def test_compile_failure_fails_only_its_request(tiny_model, gated):
     assert re.fullmatch("[ab]{3}", ok["text"])
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_mixed_batch_many_seeds(tiny_model, overlap):
-    eng = _engine(tiny_model, f"scheduler.overlap={str(overlap).lower()}")
+@pytest.mark.parametrize(("backend", "overlap"), [("xgrammar", False), ("xgrammar", True), ("llguidance", False)])
+def test_mixed_batch_many_seeds(tiny_model, backend, overlap):
+    pytest.importorskip(backend)
+    eng = _engine(tiny_model, f"scheduler.overlap={str(overlap).lower()}", f"grammar.backend={backend}")
     prompts = ["x"] * 12
     params = []
     for seed in range(12):
@@ -143,3 +144,19 @@ def test_none_backend_refuses_constraints(tiny_model):
     with pytest.raises(Exception, match="grammar.backend is none"):
         eng.generate("a", {"regex": "a+", "max_new_tokens": 4})
     assert resolve_config(None, []).grammar.backend == "xgrammar"  # auto: the real backend when installed
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize(("kind", "value"), [
+    ("json_schema", "{not json"), ("json_schema", '{"type": "nope"}'), ("regex", "a("), ("ebnf", "root ::= ("),
+])
+def test_backends_refuse_malformed_constraints_naming_the_field(backend, kind, value):
+    pytest.importorskip(backend)
+    from framework.grammar.base import GrammarSpec
+    from framework.plugins import get_registry
+
+    comp = get_registry().get("grammar_backend", backend)
+    impl = comp.factory(None, 384, comp.make_options(None))
+    with pytest.raises(GrammarError) as err:
+        impl.validate(GrammarSpec(kind, value))
+    assert err.value.field == kind and err.value.message
