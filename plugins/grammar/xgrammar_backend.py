@@ -112,8 +112,11 @@ class XGrammarBackend(GrammarBackend):
         xgr = self.xgr
         if isinstance(tag, dict) and "structures" in tag:
             # SGLang's format: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
-            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
-                     for s in tag["structures"]]
+            try:
+                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                         for s in tag["structures"]]
+            except (KeyError, TypeError):
+                raise GrammarError("structural_tag", "each of structures needs begin, schema and end") from None
             return xgr.Grammar.from_structural_tag(items, list(tag.get("triggers", [])))
         return xgr.Grammar.from_structural_tag(json.dumps(tag))
 
