@@ -20,7 +20,8 @@ def test_there_are_hookspecs():
     names = {name for name, _ in _specs()}
     assert {"register_attention_backends", "register_memory_pools", "register_transfer_backends",
             "register_models", "register_schedule_policies", "on_batch_scheduled",
-            "on_request_finished", "extend_http_routes"} <= names
+            "on_request_finished", "extend_http_routes", "register_grammar_backends", "register_tool_parsers",
+            "register_reasoning_parsers"} <= names
 
 
 def test_every_hookspec_has_a_docstring():
