@@ -81,7 +81,8 @@ def plan_tools(body: Any, parser: Any, parser_names: list[str]) -> ToolPlan:
     if choice == "required":
         return ToolPlan("required", tools, parallel, schema=json.dumps(required_schema(by_name, parallel)))
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function")
+        name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise bad_request('a named tool_choice is {"type": "function", "function": {"name": ...}}', "tool_choice")
         if name not in by_name:
@@ -117,7 +118,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Assistant ``tool_calls`` with their ``arguments`` as objects, as Hugging Face chat
     templates expect (OpenAI clients send them as JSON text)."""
     for msg in messages:
-        for call in msg.get("tool_calls") or []:
+        calls = msg.get("tool_calls")
+        for call in calls if isinstance(calls, list) else []:
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                 try:

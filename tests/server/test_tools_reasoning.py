@@ -221,3 +221,28 @@ def test_tool_choice_errors(client):
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
         client.chat.completions.create(model="tiny", messages=MSGS, tool_choice="required")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools.0.function.parameters"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_malformed_tool_fields_are_400s(server, body, param):
+    import httpx
+
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers(), timeout=30,
+                   json={"model": "tiny", "messages": MSGS, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_odd_tool_calls_in_history_do_not_break_the_template(server):
+    import httpx
+
+    msgs = [*MSGS, {"role": "assistant", "content": "", "tool_calls": 5}, {"role": "user", "content": "again"}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers(), timeout=30,
+                   json={"model": "tiny", "messages": msgs, "max_tokens": 2})
+    assert r.status_code in (200, 400), r.text  # the template decides; never a 500
