@@ -41,6 +41,7 @@ def add_bench_commands(sub: Any) -> None:
     # Commands defined in their own modules (imports stay light: argparse only until run).
     from framework.bench.pd import add_pd_command
     from framework.bench.plot import add_plot_command
+    from framework.bench.rl import add_rl_command
     from framework.bench.serving import add_serve_command
     from framework.bench.transfer import add_transfer_command
 
@@ -48,6 +49,7 @@ def add_bench_commands(sub: Any) -> None:
     add_plot_command(bench_sub)
     add_transfer_command(bench_sub, output_args)
     add_pd_command(bench_sub, common)
+    add_rl_command(bench_sub, common)
     _add_entry_point_commands(bench_sub, common)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.memory.memory_saver import MemorySaver
+from framework.memory.memory_saver import MemorySaver, trim_heap
 from framework.models.cpu_linear import PackedLinear, pack_linear_layers, unpack_linear_layers
 from framework.models.loader import default_dtype, iter_safetensors_weights, load_hf_config, safetensors_files
 
@@ -150,6 +150,7 @@ class ModelWeights:
             yield
         finally:
             pack_linear_layers(self.model)
+            trim_heap()  # the dense copies just freed would otherwise stay in the heap
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -188,6 +189,9 @@ class ModelWeights:
         self.saver.resume("weights")
         if self.packed and not self.saver.preserves_addresses:
             pack_linear_layers(self.model)
+            # The saver must not keep the dense copies alive: the packed layers replaced them.
+            self.saver.track("weights", [], keep_contents=True)
+            trim_heap()
         self.released = False
 
 

@@ -10,7 +10,6 @@ read back on resume. Addresses change on resume: that is why a PD server refuses
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import tempfile
 from collections.abc import Iterable
@@ -19,7 +18,7 @@ from typing import IO
 
 import torch
 
-from framework.memory.memory_saver import MemorySaver, unique_storages
+from framework.memory.memory_saver import MemorySaver, trim_heap, unique_storages
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +38,6 @@ def _raw(t: torch.Tensor) -> ctypes.Array:
     torch marks a storage that numpy has seen as not resizable."""
     storage = t.untyped_storage()
     return (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
-
-
-def _trim_heap() -> None:
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name:
-        return
-    libc = ctypes.CDLL(libc_name)
-    if hasattr(libc, "malloc_trim"):  # glibc only; elsewhere freed memory goes back on its own terms
-        libc.malloc_trim(0)
 
 
 class _Tag:
@@ -98,7 +88,7 @@ class CpuMemorySaver(MemorySaver):
         for t in entry.tensors:
             t.untyped_storage().resize_(0)
         entry.paused = True
-        _trim_heap()
+        trim_heap()
         logger.info("memory saver: released %s (%.1f MiB)", tag, sum(entry.sizes) / 2**20)
 
     def resume(self, tag: str) -> None:

@@ -203,6 +203,8 @@ def test_rl_loop_no_leak_no_growth(rl_models, hf_models):
     """Three rounds of generate, release, "train" (new weights on disk), resume, update."""
     eng = make_engine(rl_models[0])
     versions = [rl_models[1], rl_models[0], rl_models[1]]
+    outputs(eng)
+    rss_start = rss_bytes()
     rss_after = []
     for i, version in enumerate(versions):
         outputs(eng)
@@ -212,6 +214,6 @@ def test_rl_loop_no_leak_no_growth(rl_models, hf_models):
         assert outputs(eng) == hf_greedy(hf_models[1 if version == rl_models[1] else 0], PROMPTS)
         assert_clean(eng)
         rss_after.append(rss_bytes())
-    # Round 1 warms allocator caches; after it, a leak of the weights or the KV cache per round
-    # (tens to hundreds of MiB) would show. 16 MiB of slack absorbs allocator noise.
-    assert rss_after[2] - rss_after[1] < 16 * 2**20, rss_after
+    # A copy of the weights kept alive (~70 MiB here) or a KV cache not given back (256 MiB) would
+    # show, in any round; 24 MiB of slack absorbs allocator noise and oneDNN's primitive caches.
+    assert max(rss_after) - rss_start < 24 * 2**20, (rss_start, rss_after)
