@@ -5,7 +5,6 @@ matcher, with bitmasks in the same int32 layout as xgrammar's. Structural tags a
 from __future__ import annotations
 
 import importlib.util
-import json
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +38,11 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._fill = fill
 
     def accept_token(self, token_id: int) -> bool:
+        # consume_token of a refused token puts the matcher in an error state for good; the
+        # interface wants a refusal that leaves it usable, so ask first (the conformance kit's
+        # refuses_disallowed check caught this).
+        if self._m.validate_tokens([int(token_id)]) < 1:
+            return False
         return bool(self._m.consume_token(int(token_id))) and not self._m.is_error()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
