@@ -284,6 +284,38 @@ class ServerConfig:
     the scheduler: for running requests to finish, weights to load, a trainer to join a group."""
 
 
+class LoadBalanceMethod(Enum):
+    round_robin = "round_robin"
+    shortest_queue = "shortest_queue"
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor and data parallelism (SGLang's ``--tp-size``, ``--dp-size``, ``--dist-init-addr``,
+    ``--nnodes``, ``--node-rank``)."""
+
+    tp_size: int = 1
+    """Tensor-parallel ranks per engine replica: each holds 1/tp of the attention heads, MLP columns
+    and vocabulary, and its own KV heads; one scheduler process per rank (gloo on CPU, NCCL on GPU)."""
+    dp_size: int = 1
+    """Engine replicas behind one HTTP server (each a tp_size group), load-balanced per request."""
+    load_balance_method: LoadBalanceMethod = LoadBalanceMethod.round_robin
+    """How the HTTP process picks a data-parallel replica: round_robin, or shortest_queue (the one
+    with the fewest running + waiting requests it knows of)."""
+    dist_init_addr: Optional[str] = None
+    """host:port of the tensor-parallel rendezvous (rank 0's node); null: 127.0.0.1 and a free port
+    (one host). Needed when nnodes > 1."""
+    nnodes: int = 1
+    """Hosts the tensor-parallel ranks span (tp_size must be a multiple)."""
+    node_rank: int = 0
+    """This host's index among nnodes (0 runs the HTTP server and rank 0)."""
+    communicator: str = "auto"
+    """A registered communicator (all-reduce / all-gather for the parallel layers); auto: the
+    highest ``auto_priority`` one for the device (built-in: torch_distributed)."""
+    dist_timeout_s: float = 600.0
+    """How long a collective may wait for a peer rank before the ranks give up (a dead rank)."""
+
+
 @dataclass
 class DisaggregationConfig:
     """Prefill/decode disaggregation."""
@@ -320,3 +352,4 @@ class PlugserveConfig:
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
