@@ -27,6 +27,8 @@ class ChatOutputPlan:
     reasoning: ReasoningParser | None = None
     """The reasoning parser, or None when off (none configured, ``separate_reasoning: false``, or a
     constrained output)."""
+    stream_reasoning: bool = True
+    """SGLang's ``stream_reasoning``: false sends the reasoning in one delta once it is complete."""
 
 
 def final_message(plan: ChatOutputPlan, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
@@ -61,6 +63,7 @@ class ChoiceStream:
     buffered: str = ""
     calls: int = 0
     named_id: str | None = None
+    held_reasoning: str = ""
 
     def __post_init__(self) -> None:
         if self.plan.reasoning is not None:
@@ -78,10 +81,18 @@ class ChoiceStream:
         content = delta
         if self.reasoning is not None:
             reasoning, content = self.reasoning.feed(delta)
-            if reasoning:
-                out.append({"reasoning_content": reasoning})
+            out += self._reasoning(reasoning, done=bool(content) or self.reasoning.state == "content")
         out += self._content(content, final=False)
         return out
+
+    def _reasoning(self, text: str, done: bool) -> list[dict[str, Any]]:
+        if self.plan.stream_reasoning:
+            return [{"reasoning_content": text}] if text else []
+        self.held_reasoning += text
+        if not done or not self.held_reasoning:
+            return []
+        held, self.held_reasoning = self.held_reasoning, ""
+        return [{"reasoning_content": held}]
 
     def finish(self) -> list[dict[str, Any]]:
         """What was held back, once the choice is finished."""
@@ -89,8 +100,7 @@ class ChoiceStream:
         content = ""
         if self.reasoning is not None:
             reasoning, content = self.reasoning.finish()
-            if reasoning:
-                out.append({"reasoning_content": reasoning})
+            out += self._reasoning(reasoning, done=True)
         out += self._content(content, final=True)
         return out
 
@@ -156,4 +166,6 @@ def prepare_chat(body: Any, tool_parser: Any, reasoning_parser: ReasoningParser 
     # A forced call or a response_format covers the whole output with JSON: no reasoning in it. A raw
     # regex / ebnf may spell out the reasoning markers itself, so the parser still runs then.
     use_reasoning = reasoning_parser is not None and body.separate_reasoning is not False and not constraint
-    return ChatOutputPlan(tools, tool_parser, reasoning_parser if use_reasoning else None), constraint, names
+    plan = ChatOutputPlan(tools, tool_parser, reasoning_parser if use_reasoning else None,
+                          stream_reasoning=body.stream_reasoning is not False)
+    return plan, constraint, names

@@ -179,18 +179,23 @@ def test_auto_tool_call_and_reasoning_parsed(client):
 REASONED = r"<think>([a-z ]{1,16})</think>([a-z]{1,16})"
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, True, "whole reasoning"])
 def test_reasoning_content_and_separate_reasoning(client, stream):
     for seed in SEEDS[:3]:
         kwargs = dict(model="tiny", messages=MSGS, temperature=1.0, seed=seed, max_tokens=60,
                       extra_body={"regex": REASONED})
         if stream:
-            reasoning, content = "", ""
-            for chunk in client.chat.completions.create(stream=True, **kwargs):
+            reasoning, content, pieces = "", "", 0
+            extra = {"regex": REASONED, "stream_reasoning": stream is True}
+            for chunk in client.chat.completions.create(stream=True, **{**kwargs, "extra_body": extra}):
                 if chunk.choices:
                     delta = chunk.choices[0].delta
-                    reasoning += getattr(delta, "reasoning_content", None) or ""
+                    piece = getattr(delta, "reasoning_content", None) or ""
+                    pieces += bool(piece)
+                    reasoning += piece
                     content += delta.content or ""
+            if stream == "whole reasoning":
+                assert pieces == 1  # stream_reasoning false: the reasoning arrives in one delta
         else:
             message = client.chat.completions.create(**kwargs).choices[0].message
             reasoning, content = message.reasoning_content, message.content
