@@ -156,6 +156,7 @@ class ChatCompletionRequest(OpenAISampling):
     separate_reasoning: bool | None = None
     """With a reasoning parser (server.reasoning_parser): false keeps the reasoning in content."""
     stream_reasoning: bool | None = None
+    """false: the reasoning goes out in one stream delta once it is complete."""
 
 
 class GenerateRequest(StrictModel):
