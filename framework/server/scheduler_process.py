@@ -35,8 +35,10 @@ class SchedulerLoop:
     """Owns the scheduler and the two sockets; :meth:`run` returns when told to stop."""
 
     def __init__(self, scheduler: Any, runner: Any, eos_token_ids: list[int], recv: zmq.Socket,
-                 send: zmq.Socket, parent_pid: int) -> None:
+                 send: zmq.Socket, parent_pid: int, dp_rank: int = 0) -> None:
         self.scheduler = scheduler
+        self.dp_rank = dp_rank
+        """This replica's data-parallel rank (reported in every load, for /get_load)."""
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.recv = recv
@@ -201,6 +203,7 @@ class SchedulerLoop:
         load["cache_hit_tokens"] = s.cache_hit_tokens
         load["prompt_tokens_seen"] = seen
         load["prefix_cache_hit_rate"] = s.cache_hit_tokens / seen if seen else 0.0
+        load["dp_rank"] = self.dp_rank
         return load
 
 
@@ -232,7 +235,7 @@ def _build(config_path: str) -> tuple[Any, Any, list[int], dict[str, Any]]:
     return scheduler, runner, eos, info
 
 
-def _serve(config_path: str, recv: zmq.Socket, send: zmq.Socket, parent_pid: int) -> int:
+def _serve(config_path: str, recv: zmq.Socket, send: zmq.Socket, parent_pid: int, dp_rank: int) -> int:
     """Build, announce readiness (or the start failure), and run the loop; the exit code."""
     try:
         scheduler, runner, eos, info = _build(config_path)
@@ -240,8 +243,8 @@ def _serve(config_path: str, recv: zmq.Socket, send: zmq.Socket, parent_pid: int
         logger.error("scheduler start failed:\n%s", traceback.format_exc())
         send.send(ipc.encode(ipc.StartupFailed(message=f"{type(exc).__name__}: {exc}")))
         return 1
-    send.send(ipc.encode(ipc.Ready(info=info)))
-    SchedulerLoop(scheduler, runner, eos, recv, send, parent_pid).run()
+    send.send(ipc.encode(ipc.Ready(info={**info, "dp_rank": dp_rank})))
+    SchedulerLoop(scheduler, runner, eos, recv, send, parent_pid, dp_rank).run()
     return 0
 
 
@@ -249,9 +252,10 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def main(config_path: str, to_scheduler: str, from_scheduler: str, parent_pid: int, log_level: str) -> None:
-    """Entry point of the spawned process (arguments are plain strings: nothing is unpickled
-    beyond them)."""
+def main(config_path: str, to_scheduler: str, from_scheduler: str, parent_pid: int, log_level: str,
+         dp_rank: int = 0) -> None:
+    """Entry point of the spawned process (arguments are plain strings and ints: nothing is
+    unpickled beyond them). ``dp_rank``: which data-parallel replica this is (0 without dp)."""
     # Ctrl-C in a terminal reaches the whole process group: the HTTP process decides when the
     # scheduler stops (it sends Shutdown), so the scheduler ignores SIGINT itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -263,7 +267,7 @@ def main(config_path: str, to_scheduler: str, from_scheduler: str, parent_pid: i
     tqdm.set_lock(threading.RLock())
     logging.basicConfig(
         level=log_level.upper(), stream=sys.stderr,
-        format="%(asctime)s [scheduler] %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s [scheduler{f' dp{dp_rank}' if dp_rank else ''}] %(levelname)s %(name)s: %(message)s",
     )
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
@@ -273,7 +277,7 @@ def main(config_path: str, to_scheduler: str, from_scheduler: str, parent_pid: i
     send.connect(from_scheduler)
     code = 0
     try:
-        code = _serve(config_path, recv, send, parent_pid)
+        code = _serve(config_path, recv, send, parent_pid, dp_rank)
     except SystemExit:
         pass
     except BaseException:
