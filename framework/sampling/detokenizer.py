@@ -22,6 +22,18 @@ PROMPT_CONTEXT_TOKENS = 5
 """Prompt tokens kept as decoding context. SentencePiece needs one to keep the first output
 token's leading space; a few more cover a multi-byte character split across prompt tokens."""
 
+MAX_HELD_TOKENS = 32
+"""Tokens held back (decoded but not yet emitted) before the detokenizer stops waiting for the
+text to become printable and emits the part that can no longer change. Without a bound, a long
+run of invalid UTF-8 is re-decoded whole at every step (quadratic in the run)."""
+
+MIN_KEPT_TOKENS = 3
+"""Newest tokens a bounded release keeps held: an unfinished UTF-8 character has at most 3 of
+its bytes so far, and every visible token carries at least one byte."""
+
+RELEASE_SPLIT_TRIES = 8
+"""Split points a bounded release tries (keeping 3, 4, ... tokens) before it emits everything."""
+
 
 class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of finished text.
@@ -31,6 +43,12 @@ class IncrementalDetokenizer:
     prompt is given). Tokenizer clean-up of spaces is always off: it is not local to a window, so
     no streaming decoder can reproduce it; vLLM and SGLang leave it off for streams too.
     ``spaces_between_special_tokens`` is passed through; HF fast tokenizers ignore it.
+
+    The decoded window stays bounded however long the text stays unprintable (vLLM's and SGLang's
+    detokenizers re-decode an ever-growing window there): tokens that decode to nothing (skipped
+    special tokens, ids outside the tokenizer) are dropped as they arrive, and once more than
+    :data:`MAX_HELD_TOKENS` are held behind an unfinished character, the text before the last
+    few tokens is emitted if splitting there provably decodes the same.
     """
 
     def __init__(
@@ -46,38 +64,97 @@ class IncrementalDetokenizer:
             "spaces_between_special_tokens": spaces_between_special_tokens,
             "clean_up_tokenization_spaces": False,
         }
-        # Only the window [prefix_offset:] is ever decoded, so older ids are dropped as we go.
+        # The window: already-emitted context tokens [0:_read_offset], then held-back ones.
+        # Older ids are dropped as we go, so only this window is ever decoded.
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
-        self._prefix_offset = 0
-        """Start of the decoding window: text before it is already emitted and no longer needed."""
         self._read_offset = len(self._ids)
         """End of what has been emitted (or belongs to the prompt)."""
+        self._context_text: str | None = None
+        """Decoded text of the context tokens (``None``: not decoded since they changed)."""
+        self._blank: dict[int, bool] = {}
+        """Per token id: whether it decodes to nothing on its own (cached, as ids repeat)."""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, **self._decode_kwargs) if ids else ""
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new token ids; return the text they complete (possibly ``""``)."""
+        first_new = len(self._ids)
         self._ids.extend(token_ids)
-        return self._emit(final=False)
+        return self._emit(final=False, first_new=first_new)
 
     def flush(self) -> str:
         """End of stream: return whatever was held back, incomplete characters included."""
-        return self._emit(final=True)
+        return self._emit(final=True, first_new=len(self._ids))
 
-    def _emit(self, final: bool) -> str:
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text) or (not final and full_text.endswith(REPLACEMENT_CHAR)):
-            # Nothing new yet (e.g. a skipped special token) or a character is still incomplete.
+    def _emit(self, final: bool, first_new: int) -> str:
+        if self._context_text is None:
+            self._context_text = self._decode(self._ids[: self._read_offset])
+        prefix_text = self._context_text
+        full_text = self._decode(self._ids)
+        if len(full_text) > len(prefix_text) and (final or not full_text.endswith(REPLACEMENT_CHAR)):
+            # The window always starts on an emitted boundary, so prefix_text is a prefix of
+            # full_text (UTF-8 decoding resynchronises at character boundaries).
+            return self._advance(len(self._ids), full_text[len(prefix_text) :])
+        if final:
             return ""
-        # The window always starts on an emitted boundary, so prefix_text is a prefix of
-        # full_text (UTF-8 decoding resynchronises at character boundaries).
-        delta = full_text[len(prefix_text) :]
-        # The tokens just emitted become the next window's context; older ones are not needed.
-        del self._ids[: self._read_offset]
-        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        # Nothing new yet (e.g. a skipped special token) or a character is still incomplete.
+        self._drop_blank(first_new, full_text)
+        if len(self._ids) - self._read_offset > MAX_HELD_TOKENS:
+            return self._release(prefix_text, full_text)
+        return ""
+
+    def _advance(self, split: int, delta: str) -> str:
+        """Mark ``self._ids[:split]`` emitted; the newest emitted tokens become the context.
+
+        At most :data:`PROMPT_CONTEXT_TOKENS` of them: the text before ``split`` is final, and a
+        context that starts inside a character only decodes to replacement characters that no
+        later byte can change, so a short context keeps ``prefix_text`` a prefix of the window's.
+        """
+        drop = max(self._read_offset, split - PROMPT_CONTEXT_TOKENS)
+        del self._ids[:drop]
+        self._read_offset = split - drop
+        self._context_text = None
         return delta
+
+    def _drop_blank(self, first_new: int, full_text: str) -> None:
+        """Drop new tokens that add no text, now or later: they would only grow the window.
+
+        A token that decodes to nothing on its own carries no bytes (a skipped special token, an
+        id outside the tokenizer), so it cannot finish a character later either. The check in
+        context guards decoders where a lone token's text differs from its text in context
+        (SentencePiece's word-start marker decodes to "" alone and to " " after a word).
+        """
+        new = range(max(first_new, self._read_offset), len(self._ids))
+        blank = {i for i in new if self._is_blank(self._ids[i])}
+        if not blank:
+            return
+        kept = [t for i, t in enumerate(self._ids) if i not in blank]
+        if self._decode(kept) == full_text:
+            self._ids = kept
+
+    def _is_blank(self, token_id: int) -> bool:
+        if token_id not in self._blank:
+            self._blank[token_id] = self._decode([token_id]) == ""
+        return self._blank[token_id]
+
+    def _release(self, prefix_text: str, full_text: str) -> str:
+        """Emit the text before the newest few held tokens, where that text cannot change.
+
+        A split is safe when its two sides decode separately to exactly the full text and the
+        kept side has text of its own: its first byte then already decided how the bytes before
+        the split decode (they end a character or were invalid), so later tokens cannot change
+        them. If no split among the tried ones is safe (a decoder that is not byte-local), the
+        whole held text is emitted, as a flush would: the bound wins over exactness there.
+        """
+        for keep in range(MIN_KEPT_TOKENS, MIN_KEPT_TOKENS + RELEASE_SPLIT_TRIES):
+            split = len(self._ids) - keep
+            if split <= self._read_offset:
+                break
+            head, tail = self._decode(self._ids[:split]), self._decode(self._ids[split:])
+            if tail and head + tail == full_text and head.startswith(prefix_text):
+                return self._advance(split, head[len(prefix_text) :])
+        return self._advance(len(self._ids), full_text[len(prefix_text) :])
 
 
 class StopStringMatcher:

@@ -9,6 +9,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from framework.sampling.detokenizer import (
+    MAX_HELD_TOKENS,
+    PROMPT_CONTEXT_TOKENS,
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     StopStringMatcher,
@@ -216,3 +218,77 @@ def test_find_stop_string_in_tail_decodes_only_a_window() -> None:
     assert seen == [4 * 3 + 2]
     assert not find_stop_string_in_tail(Counting(), ids, [], 3)
     assert not find_stop_string_in_tail(Counting(), ids[:-1], ["END"], 3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Long runs that print nothing: the decoded window must stay bounded (issue 21, item 8)
+
+
+class CountingTokenizer:
+    """Wraps the tokenizer and records the length of every window it is asked to decode."""
+
+    def __init__(self) -> None:
+        self.window_sizes: list[int] = []
+
+    def decode(self, ids: list[int], **kwargs: object) -> str:
+        self.window_sizes.append(len(ids))
+        return TOKENIZER.decode(ids, **kwargs)
+
+
+_RUN = 2000
+_EOS = TOKENIZER.eos_token_id
+_E6, _97, _9C = byte_tokens("日")
+_CONT = byte_tokens("\x80".encode("latin-1").decode("latin-1"))[1]  # the byte 0x80 on its own
+
+ADVERSARIAL_RUNS = {
+    "skipped_special_tokens": [_EOS] * _RUN,
+    "ids_outside_the_tokenizer": [VOCAB + i for i in range(_RUN)],
+    "stray_continuation_bytes": [_CONT] * _RUN,
+    "unfinished_lead_bytes": [_E6] * _RUN,
+    "character_split_by_special_tokens": [_E6] + [_EOS] * _RUN + [_97, _9C],
+    "character_split_by_unknown_ids": [_E6, _97] + [VOCAB + 7] * _RUN + [_9C],
+    "specials_between_stray_bytes": [_CONT, _EOS] * (_RUN // 2),
+}
+
+
+def test_continuation_byte_fixture() -> None:
+    assert TOKENIZER.decode([_CONT] * 3) == REPLACEMENT_CHAR * 3
+    assert TOKENIZER.decode([_E6, _97, _9C]) == "日"
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL_RUNS))
+def test_unprintable_runs_decode_a_bounded_window(name: str, chunk: int) -> None:
+    ids = TOKENIZER.encode("héllo ") + ADVERSARIAL_RUNS[name] + byte_tokens(" wörld 日本")
+    counting = CountingTokenizer()
+    got = "".join(_stream(IncrementalDetokenizer(counting, skip_special_tokens=True), ids, [chunk]))
+    assert got == TOKENIZER.decode(ids, skip_special_tokens=True)
+    # Without a bound the window grows to the whole run (2,000+ ids) and the total work is
+    # quadratic; with it, every decode is short and the number of decodes linear.
+    assert max(counting.window_sizes) <= PROMPT_CONTEXT_TOKENS + MAX_HELD_TOKENS + chunk, max(counting.window_sizes)
+    assert len(counting.window_sizes) <= 4 * len(ids)
+    assert sum(counting.window_sizes) <= 40 * len(ids)
+
+
+def test_kept_special_tokens_are_text_not_blank() -> None:
+    ids = [_EOS] * 100 + TOKENIZER.encode("ok")
+    got = "".join(_stream(IncrementalDetokenizer(TOKENIZER, skip_special_tokens=False), ids, [1]))
+    assert got == TOKENIZER.decode(ids, skip_special_tokens=False) == "<|eos|>" * 100 + "ok"
+
+
+_UNPRINTABLE = st.sampled_from([_CONT, _E6, _97, _9C, _EOS, VOCAB + 3])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    runs=st.lists(st.tuples(_UNPRINTABLE, st.integers(1, 90)), max_size=4),
+    text=st.lists(st.integers(0, VOCAB - 1), max_size=10),
+    chunks=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    skip_special=st.booleans(),
+)
+def test_long_runs_still_equal_full_decode(
+    runs: list[tuple[int, int]], text: list[int], chunks: list[int], skip_special: bool
+) -> None:
+    ids = [t for token, n in runs for t in [token] * n] + text + [t for token, n in runs[:1] for t in [token] * n]
+    detok = IncrementalDetokenizer(TOKENIZER, skip_special_tokens=skip_special)
+    assert "".join(_stream(detok, ids, chunks)) == TOKENIZER.decode(ids, skip_special_tokens=skip_special)
