@@ -214,6 +214,10 @@ class GrammarConfig:
     """Worker threads compiling grammars in the scheduler process (off the decode loop)."""
     cache_entries: int = 256
     """Compiled grammars kept (LRU), keyed by the constraint's exact text."""
+    jump_forward: bool = False
+    """Jump-forward decoding: tokens the grammar forces (JSON keys, punctuation) are appended without
+    sampling and computed in one prefill (the request leaves the decode batch for it, as in SGLang).
+    Requests that want logprobs never jump (forced tokens have none)."""
     queue_poll_s: float = 0.005
     """When nothing but requests waiting for their grammar is left, the scheduler waits up to this
     long for a compile before it looks at new messages again (instead of spinning)."""

@@ -74,9 +74,10 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted: the request must stop."""
 
-    def jump_forward(self) -> str:
-        """Text that every continuation must start with (jump-forward decoding); "" if none is known."""
-        return ""
+    def jump_forward_tokens(self) -> list[int]:
+        """Tokens every continuation must start with (jump-forward decoding), not yet accepted;
+        [] when none are forced or the backend cannot tell. Never stop or special tokens."""
+        return []
 
 
 class GrammarBackend(ABC):

@@ -35,6 +35,8 @@ class GrammarQueue:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.pending: list[Req] = []
+        self.jumped_tokens = 0
+        """Tokens appended by jump-forward decoding (not sampled)."""
         self._manager: GrammarManager | None = None
 
     @property
@@ -118,6 +120,21 @@ class GrammarQueue:
             # Terminated by a stop token (xgrammar), or complete with nothing but EOS left (llguidance).
             return FinishReason("stop", matched=token_id if token_id in req.eos_token_ids else None)
         return None
+
+    def jump_forward(self, req: Req) -> list[int]:
+        """Tokens the grammar forces next (jump-forward decoding), accepted by the matcher, at most
+        what the request's token budget leaves; [] when off, none are forced, or the request
+        wants logprobs (forced tokens have none)."""
+        if not self.cfg.jump_forward or req.grammar is None or req.finished or req.return_logprob:
+            return []
+        budget = req.sampling_params.max_new_tokens - len(req.output_ids)
+        taken: list[int] = []
+        for token in req.grammar.jump_forward_tokens()[:max(budget, 0)]:
+            if not req.grammar.accept_token(token):
+                break  # the backend's own forced token refused: keep what was accepted
+            taken.append(token)
+        self.jumped_tokens += len(taken)
+        return taken
 
     def close(self) -> None:
         if self._manager is not None:

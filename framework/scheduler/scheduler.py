@@ -200,6 +200,7 @@ class Scheduler:
         """Run one batch (prefill if any can be formed, else decode); return output deltas."""
         self._admit_compiled()
         if not self.holds:
+            self._jump_forward()
             self.loop.step()
         out, self._pending = self._pending, []
         return out
@@ -217,6 +218,28 @@ class Scheduler:
             else:
                 req.finished_reason = FinishReason("abort", message=error)
                 self.finish(req, error=error)
+
+    def _jump_forward(self) -> None:
+        """``grammar.jump_forward``: a running constrained request whose grammar forces its next
+        tokens gets them without sampling, leaves the decode batch and re-queues at the front, so
+        one prefill computes their KV (its own KV goes to the prefix cache and is matched again)."""
+        if not self.settings.grammar.jump_forward or self.loop.has_work():
+            return
+        for req in [r for r in self.running if r.grammar is not None]:
+            tokens = self.grammar.jump_forward(req)
+            if not tokens:
+                continue
+            req.output_ids.extend(tokens)
+            self.running.remove(req)
+            reason = FinishReason("stop") if req.grammar.is_terminated() else None
+            reason = reason or check_finished(req, self.context_len, self.tokenizer)
+            if reason is not None:
+                req.finished_reason = reason
+                self.finish(req)
+                continue
+            self.kv.release(req)
+            self.waiting.insert(0, req)
+            self.emit(req)
 
     def close(self) -> None:
         """Stop the loop's worker (overlap), the grammar compilers and the PD side's transfer backend."""

@@ -52,6 +52,9 @@ class LLGuidanceMatcher(GrammarMatcher):
         # is_stopped() is also true in an error state; accept_token reports errors itself.
         return bool(self._m.is_stopped()) and not self._m.is_error()
 
+    def jump_forward_tokens(self) -> list[int]:
+        return [] if self._m.is_stopped() else list(self._m.compute_ff_tokens())
+
 
 class LLGuidanceBackend(GrammarBackend):
     """Grammars as llguidance grammar strings; each matcher builds its parser from one."""

@@ -61,8 +61,8 @@ class XGrammarMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
-    def jump_forward(self) -> str:
-        return "" if self._m.is_terminated() else str(self._m.find_jump_forward_string())
+    def jump_forward_tokens(self) -> list[int]:
+        return [] if self._m.is_terminated() else list(self._m.find_jump_forward_tokens())
 
 
 class XGrammarBackend(GrammarBackend):

@@ -160,3 +160,30 @@ def test_backends_refuse_malformed_constraints_naming_the_field(backend, kind, v
     with pytest.raises(GrammarError) as err:
         impl.validate(GrammarSpec(kind, value))
     assert err.value.field == kind and err.value.message
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_jump_forward_keeps_outputs_valid_and_saves_steps(tiny_model, backend):
+    pytest.importorskip(backend)
+    schema = {"type": "object", "properties": {"first_name": {"type": "string", "maxLength": 4},
+                                               "is_registered": {"type": "boolean"}},
+              "required": ["first_name", "is_registered"], "additionalProperties": False}
+    params = [{"json_schema": schema, "temperature": 1.0, "seed": s, "max_new_tokens": 60} for s in range(8)]
+    runs = {}
+    for jump in (False, True):
+        eng = _engine(tiny_model, f"grammar.backend={backend}", f"grammar.jump_forward={str(jump).lower()}")
+        steps = 0
+        for p in params:
+            rid = eng.submit("x", p)
+            while not eng._states[rid].finished:
+                eng.step()
+                steps += 1
+            state = eng._states[rid]
+            assert state.finish_reason["type"] == "stop", state.text
+            jsonschema.validate(json.loads(state.text), schema)
+        runs[jump] = (steps, eng.scheduler.grammar.jumped_tokens)
+        assert eng.leak_report()["leaked"] == 0 and eng.leak_report()["held_by_requests"] == 0
+    (plain_steps, plain_jumped), (jump_steps, jumped) = runs[False], runs[True]
+    assert plain_jumped == 0 and jumped > 0
+    # every jumped token saves a decode step; each jump costs one prefill step
+    assert jump_steps < plain_steps, runs
