@@ -86,7 +86,9 @@ def engine_from_args(args: Any) -> tuple[Any, Any]:
     overrides = list(args.overrides)
     if args.random_model:
         path = make_random_model(args.random_model, tempfile.gettempdir() + "/plugserve-bench-models")
-        overrides.insert(0, f"model.path={path}")
+        # The reference workload is fp32 on every CPU, whatever ``auto`` would pick (the
+        # checkpoint is fp32 too); a later ``model.dtype=...`` override still wins.
+        overrides[:0] = [f"model.path={path}", "model.dtype=float32"]
     elif args.model_path:
         overrides.insert(0, f"model.path={args.model_path}")
     cfg = resolve_config(args.config, overrides)

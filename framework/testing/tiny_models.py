@@ -53,13 +53,15 @@ def save_tiny_model(
     architecture: str = "LlamaForCausalLM",
     seed: int = 0,
     init_std: float = 0.5,
+    tokenizer: Any = None,
     **config_overrides: Any,
 ) -> Path:
-    """Build, randomly initialise and save a tiny model of ``architecture`` with a tokenizer."""
+    """Build, randomly initialise and save a tiny model of ``architecture`` with a tokenizer
+    (``tokenizer``, else :func:`build_tokenizer`'s); the vocab is at least the tokenizer's."""
     import transformers
 
     path = Path(path)
-    tokenizer = build_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
     vocab = max(len(tokenizer), config_overrides.pop("vocab_size", 0))
     config_cls = {
         "LlamaForCausalLM": transformers.LlamaConfig,
