@@ -50,8 +50,9 @@ class ModelConfig:
     architecture: Optional[str] = None
     """Override the ``architectures[0]`` of config.json (a registered model name)."""
     dtype: DType = DType.auto
-    """auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 matmul is slow on CPUs without native bf16
-    dot products; on those with them, e.g. AVX512-BF16, bfloat16 runs ~1.6x faster here)."""
+    """auto: the checkpoint's dtype on GPU; on CPU, bfloat16 for a bfloat16 checkpoint where the CPU has
+    native bf16 dot products (AVX512-BF16 or AMX), else float32 (bf16 matmul is many times slower than
+    fp32 on CPUs without them, e.g. AVX2-only ones). An explicit dtype always wins."""
     context_length: Optional[int] = None
     """Longest request (prompt + output); default: the model's max_position_embeddings."""
     served_model_name: Optional[str] = None

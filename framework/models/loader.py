@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.models import cpu_features
+
 logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -64,21 +66,31 @@ def _as_dtype(value: Any) -> torch.dtype | None:
     return _DTYPES[name]
 
 
-def resolve_dtype(config_dtype: Any, override: str, device: str | torch.device) -> torch.dtype:
+def resolve_dtype(
+    config_dtype: Any,
+    override: str,
+    device: str | torch.device,
+    native_bf16: Callable[[], bool] | None = None,
+) -> torch.dtype:
     """Choose the dtype the weights are served in.
 
     ``override`` is ``"auto"`` or an explicit dtype name (``float32``, ``bfloat16``, ``float16``),
-    which is always honoured. ``"auto"`` means the checkpoint's ``dtype``/``torch_dtype`` on a GPU,
-    but float32 on CPU: bf16/fp16 matmuls have no fast path on CPUs without native bf16 dot products
-    (AVX2-only ones run them many times slower than fp32; on one with AVX512-BF16 or AMX, set
-    ``model.dtype=bfloat16`` for ~1.5x). A checkpoint that declares no dtype is served in float32,
+    which is always honoured. ``"auto"`` means the checkpoint's ``dtype``/``torch_dtype`` on a GPU.
+    On CPU it means bfloat16 for a bfloat16 checkpoint where the CPU has native bf16 dot products
+    (AVX512-BF16 or AMX; ``native_bf16`` answers, by default
+    :func:`~framework.models.cpu_features.cpu_has_native_bf16`), as SGLang and vLLM choose, and
+    float32 otherwise: CPUs without them (AVX2-only) run bf16 matmuls many times slower than fp32,
+    and fp16 has no fast CPU path at all. A checkpoint that declares no dtype is served in float32,
     as transformers does.
     """
     if override != "auto":
         return _as_dtype(override)  # type: ignore[return-value]
+    declared = _as_dtype(config_dtype)
     if torch.device(device).type == "cpu":
-        return torch.float32
-    return _as_dtype(config_dtype) or torch.float32
+        if declared != torch.bfloat16:
+            return torch.float32
+        return torch.bfloat16 if (native_bf16 or cpu_features.cpu_has_native_bf16)() else torch.float32
+    return declared or torch.float32
 
 
 def config_dtype(hf_config: Any) -> Any:

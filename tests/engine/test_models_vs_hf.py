@@ -243,7 +243,8 @@ def test_registers_all_architectures() -> None:
 
 
 def test_resolve_dtype() -> None:
-    assert resolve_dtype(torch.bfloat16, "auto", "cpu") == torch.float32
+    # On CPU auto depends on the CPU (native bf16 or not): tests/engine/test_dtype_choice.py.
+    assert resolve_dtype(torch.bfloat16, "auto", "cpu", native_bf16=lambda: False) == torch.float32
     assert resolve_dtype("bfloat16", "auto", "cuda") == torch.bfloat16
     assert resolve_dtype(None, "auto", "cuda:0") == torch.float32
     assert resolve_dtype(torch.float16, "bfloat16", "cpu") == torch.bfloat16
