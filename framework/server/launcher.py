@@ -7,10 +7,15 @@ Process layout::
       TokenizerManager  --PUSH ipc://.../in-->    PULL: GenerateBatch / Abort / Control / Shutdown
                         <--PULL ipc://.../out--   PUSH: Ready / Outputs / Rejected / ControlReply
 
+With ``parallel.dp_size`` = N there are N scheduler processes (``dp_rank`` 0..N-1), each with
+its own pair of paths (``to_scheduler_<rank>``, ``from_scheduler_<rank>``); the TokenizerManager
+load-balances requests over them (``framework.server.data_parallel``).
+
 Shutdown: SIGINT/SIGTERM make uvicorn stop accepting and let open requests finish (up to
-``server.shutdown_timeout_s``), then the scheduler gets Shutdown, then SIGTERM, then SIGKILL. If
-the scheduler process dies, pending requests fail at once, /health answers 503, and the server
-exits with status 1. The scheduler also exits by itself if this process disappears.
+``server.shutdown_timeout_s``), then every scheduler gets Shutdown, then SIGTERM, then SIGKILL. If
+any scheduler process dies, pending requests fail at once, /health answers 503, the others are
+stopped and the server exits with status 1. A scheduler also exits by itself if this process
+disappears.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import socket
 import sys
 import tempfile
 import time
+from multiprocessing.connection import wait as wait_sentinels
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,20 +108,24 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
     from framework.server.state import served_model_name
 
     metrics = ServerMetrics(served_model_name(settings), settings.server.sglang_metric_names)
-    to_addr, from_addr = f"ipc://{run_dir}/to_scheduler", f"ipc://{run_dir}/from_scheduler"
-    manager = TokenizerManager(tokenizer, metrics, to_addr, from_addr)
-    proc = multiprocessing.get_context("spawn").Process(
+    dp_size = settings.parallel.dp_size
+    endpoints = [(f"ipc://{run_dir}/to_scheduler_{r}", f"ipc://{run_dir}/from_scheduler_{r}") for r in range(dp_size)]
+    manager = TokenizerManager(tokenizer, metrics, endpoints, settings.parallel.load_balance_method.value)
+    config_path = _write_child_config(cfg, run_dir)
+    spawn = multiprocessing.get_context("spawn")
+    procs: list[BaseProcess] = [spawn.Process(
         target=scheduler_process.main,
-        args=(_write_child_config(cfg, run_dir), to_addr, from_addr, os.getpid(), settings.server.log_level),
-        name="plugserve-scheduler",
+        args=(config_path, to_addr, from_addr, os.getpid(), settings.server.log_level, rank),
+        name=f"plugserve-scheduler-dp{rank}" if dp_size > 1 else "plugserve-scheduler",
         daemon=True,  # multiprocessing's exit handler terminates it even on an unexpected exit path
-    )
-    proc.start()
+    ) for rank, (to_addr, from_addr) in enumerate(endpoints)]
     exited = asyncio.Event()
-    loop.add_reader(proc.sentinel, exited.set)
     try:
+        for proc in procs:
+            proc.start()
+            loop.add_reader(proc.sentinel, exited.set)
         try:
-            info = await _wait_ready(manager, proc, stop, exited, settings.server.scheduler_start_timeout_s)
+            info = await _wait_ready(manager, procs, stop, exited, settings.server.scheduler_start_timeout_s)
         except SchedulerStartError as exc:
             logger.error("the scheduler process failed to start: %s", exc)
             return EXIT_FAILED
@@ -124,15 +134,18 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
         manager.start()
         app = _make_app(cfg, settings, tokenizer, manager, metrics, info, load_generation_config(model.path))
         server = _http_server(app, settings, manager)
-        watch = loop.create_task(_watch(server, manager, proc, stop, exited))
+        watch = loop.create_task(_watch(server, manager, procs, stop, exited))
         host, port = sock.getsockname()[:2]
-        logger.info("serving %s on http://%s:%s (scheduler pid %s)", model.path, host, port, proc.pid)
+        logger.info("serving %s on http://%s:%s (scheduler pid %s)", model.path, host, port,
+                    ", ".join(str(p.pid) for p in procs))
         await server.serve(sockets=[sock])
         watch.cancel()
         return EXIT_FAILED if manager.dead is not None else EXIT_OK
     finally:
-        loop.remove_reader(proc.sentinel)
-        await _stop_scheduler(manager, proc, settings.server.shutdown_timeout_s)
+        for proc in procs:
+            if proc.pid is not None:  # started (an unstarted one has no sentinel)
+                loop.remove_reader(proc.sentinel)
+        await _stop_schedulers(manager, procs, settings.server.shutdown_timeout_s)
         await manager.close()
 
 
@@ -183,9 +196,23 @@ def _make_app(cfg: DictConfig, settings: PlugserveConfig, tokenizer: Any, manage
     return build_app(state)
 
 
-async def _wait_ready(manager: TokenizerManager, proc: BaseProcess, stop: asyncio.Event, exited: asyncio.Event,
-                      timeout: float) -> dict[str, Any] | None:
-    """The scheduler's Ready info; None if we were stopped, it died, or it took too long."""
+def _dead(procs: list[BaseProcess]) -> str:
+    """Which scheduler processes exited, and how (``dp rank 1: exit code -9``)."""
+    started = [p for p in procs if p.pid is not None]
+    closed = set(wait_sentinels([p.sentinel for p in started], timeout=0))
+    for proc in started:
+        if proc.sentinel in closed:
+            proc.join(1.0)  # the sentinel closes a moment before the exit status is ready
+    dead = [(rank, p) for rank, p in enumerate(procs) if p.pid is not None and p.exitcode is not None]
+    if len(procs) == 1:
+        return ", ".join(f"exit code {p.exitcode}" for _, p in dead)
+    return ", ".join(f"dp rank {rank}: exit code {p.exitcode}" for rank, p in dead)
+
+
+async def _wait_ready(manager: TokenizerManager, procs: list[BaseProcess], stop: asyncio.Event,
+                      exited: asyncio.Event, timeout: float) -> dict[str, Any] | None:
+    """Replica 0's Ready info once every scheduler is ready; None if we were stopped, one died,
+    or they took too long."""
     ready = asyncio.ensure_future(manager.wait_ready())
     others = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(exited.wait())]
     start = time.monotonic()
@@ -197,17 +224,18 @@ async def _wait_ready(manager: TokenizerManager, proc: BaseProcess, stop: asynci
     if stop.is_set():
         logger.info("stopped while the model was loading")
     elif exited.is_set():
-        proc.join(1.0)  # the sentinel closes a moment before the exit status is ready
-        logger.error("the scheduler process exited during start (exit code %s)", proc.exitcode)
+        logger.error("the scheduler process exited during start (%s)", _dead(procs))
     else:
         logger.error("the scheduler was not ready after %.0fs (server.scheduler_start_timeout_s)",
                      time.monotonic() - start)
     return None
 
 
-async def _watch(server: uvicorn.Server, manager: TokenizerManager, proc: BaseProcess, stop: asyncio.Event,
-                 exited: asyncio.Event) -> None:
-    """Stop serving on a signal that reached our own handler, or when the scheduler dies."""
+async def _watch(server: uvicorn.Server, manager: TokenizerManager, procs: list[BaseProcess],
+                 stop: asyncio.Event, exited: asyncio.Event) -> None:
+    """Stop serving on a signal that reached our own handler, or when any scheduler dies (one
+    dead replica takes the whole server down: a half-capacity server that looks healthy to a
+    load balancer is worse than a restart)."""
     stop_wait = asyncio.ensure_future(stop.wait())
     exit_wait = asyncio.ensure_future(exited.wait())
     try:
@@ -216,26 +244,29 @@ async def _watch(server: uvicorn.Server, manager: TokenizerManager, proc: BasePr
         stop_wait.cancel()
         exit_wait.cancel()
     if exited.is_set():
-        proc.join(1.0)  # the sentinel closes a moment before the exit status is ready
-        logger.error("the scheduler process died (exit code %s); failing pending requests", proc.exitcode)
-        manager.on_scheduler_death(f"exit code {proc.exitcode}")
+        reason = _dead(procs)
+        logger.error("the scheduler process died (%s); failing pending requests", reason)
+        manager.on_scheduler_death(reason)
         await asyncio.sleep(DEAD_SCHEDULER_GRACE_S)
     server.should_exit = True
 
 
-async def _stop_scheduler(manager: TokenizerManager, proc: BaseProcess, grace_s: float) -> None:
-    """Shutdown message, then SIGTERM, then SIGKILL; returns once the process is gone."""
-    if proc.is_alive():
+async def _stop_schedulers(manager: TokenizerManager, procs: list[BaseProcess], grace_s: float) -> None:
+    """Shutdown message, then SIGTERM, then SIGKILL, to all at once; returns once all are gone."""
+    procs = [p for p in procs if p.pid is not None]  # a failed start may leave some unstarted
+    if any(p.is_alive() for p in procs):
         try:
             await asyncio.wait_for(manager.shutdown_scheduler(), 1.0)
         except Exception:  # the socket may be gone already; escalate below
             pass
-    for action in (None, proc.terminate, proc.kill):
-        if action is not None and proc.is_alive():
-            action()
-        deadline = time.monotonic() + grace_s
-        while proc.is_alive() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if not proc.is_alive():
+    for signal_name in (None, "terminate", "kill"):
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
             break
-    proc.join(1.0)
+        for p in alive if signal_name else []:
+            getattr(p, signal_name)()
+        deadline = time.monotonic() + grace_s
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    for p in procs:
+        p.join(1.0)

@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 import framework
 from framework.sampling.params import SamplingParams
+from framework.server.data_parallel import replica_failure
 from framework.server.errors import APIError
 from framework.server.http_utils import parse_model, require_bearer
 from framework.server.protocol import REQUEST_MODELS, AbortRequest
@@ -71,13 +72,30 @@ async def model_info(request: Request) -> Response:
     return JSONResponse(info)
 
 
+async def _control_all(server: ServerState, kind: str) -> list[dict[str, Any]]:
+    """One control call to every data-parallel replica; a 503 naming the first that failed."""
+    results = await server.manager.control_all(kind, CONTROL_TIMEOUT_S)
+    failed = replica_failure(results)
+    if failed is not None:
+        rank, data = failed
+        where = f" (dp rank {rank})" if len(results) > 1 else ""
+        raise APIError(503, f"the scheduler{where} could not report: {data.get('error')}")
+    return [data for _, data in results]
+
+
+def _replica_entry(rank: int, data: dict[str, Any], in_flight: int) -> dict[str, Any]:
+    return {"dp_rank": rank, "scheduler_pid": data.get("scheduler_pid"), "num_requests": data.get("num_requests"),
+            "http_in_flight": in_flight, "load": data.get("load"), "leak_report": data.get("leak_report")}
+
+
 async def server_info(request: Request) -> Response:
-    """Config (keys redacted), model, load and the scheduler's KV leak report."""
+    """Config (keys redacted), model, load and the scheduler's KV leak report: the top-level keys
+    are replica 0's; ``dp`` lists every data-parallel replica (pid, requests, load, leak report)."""
     server = _server(request)
     require_bearer(request, server.api_key)
-    ok, data = await server.manager.control("server_info", CONTROL_TIMEOUT_S)
-    if not ok:
-        raise APIError(503, f"the scheduler could not report: {data.get('error')}")
+    replies = await _control_all(server, "server_info")
+    data = replies[0]
+    replicas = server.manager.replicas
     body: dict[str, Any] = {
         "version": framework.__version__,
         "pid": os.getpid(),
@@ -85,6 +103,8 @@ async def server_info(request: Request) -> Response:
         "active_requests": server.manager.num_active(),
         "config": server.public_config(),
         **data,
+        "dp_size": len(replies),
+        "dp": [_replica_entry(r, d, replicas[r].in_flight) for r, d in enumerate(replies)],
     }
     # SGLang's /server_info is flat (``model_path`` at the top) and sglang-router reads it into a
     # typed struct: a ``model`` object there makes it give up on the whole reply (the worker's model
@@ -110,23 +130,24 @@ def sglang_load(load: dict[str, Any], dp_rank: int = 0) -> dict[str, Any]:
 
 
 async def get_load(request: Request) -> Response:
-    """``GET /get_load``: a list with one entry per data-parallel rank (plugserve has one), as
+    """``GET /get_load``: a list with one entry per data-parallel rank (``parallel.dp_size``), as
     SGLang answers, so that routers written for SGLang read it."""
     server = _server(request)
     require_bearer(request, server.api_key)
-    ok, data = await server.manager.control("get_load", CONTROL_TIMEOUT_S)
-    if not ok:
-        raise APIError(503, f"the scheduler could not report: {data.get('error')}")
-    server.metrics.update_load(data)
-    return JSONResponse([sglang_load(data)])
+    loads = await _control_all(server, "get_load")
+    for replica, load in zip(server.manager.replicas, loads, strict=True):
+        replica.last_load = load
+    server.manager.refresh_gauges()
+    return JSONResponse([sglang_load(load, rank) for rank, load in enumerate(loads)])
 
 
 async def flush_cache(request: Request) -> Response:
-    """Drop the prefix cache; refused (409) while requests run or wait."""
+    """Drop the prefix cache of every replica; refused (409) while requests run or wait on any
+    (the replicas that were idle are flushed all the same: dropping a cache loses nothing)."""
     server = _server(request)
     require_bearer(request, server.admin_key)
-    ok, _ = await server.manager.control("flush_cache", CONTROL_TIMEOUT_S)
-    if not ok:
+    results = await server.manager.control_all("flush_cache", CONTROL_TIMEOUT_S)
+    if replica_failure(results) is not None:
         raise APIError(409, "the cache can only be flushed while no request runs or waits", code="busy")
     return JSONResponse({"success": True, "message": "the prefix cache was flushed"})
 

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from framework.server.data_parallel import replica_failure
 from framework.server.errors import APIError
 from framework.server.http_utils import BodyLimits, parse_model, require_bearer
 from framework.server.protocol import StrictModel
@@ -119,14 +120,31 @@ ROLLOUT_REQUEST_MODELS: dict[str, type[StrictModel]] = {
 """The RL routes and their bodies (for /openapi.json)."""
 
 
+def _replica_args(server: ServerState, kind: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each data-parallel replica's arguments. Every replica joins a trainer's weight-update
+    group as its own ranks: replica ``d`` takes ranks ``rank_offset + d * tp_size`` onwards, so
+    the trainer's ``world_size`` is 1 + dp_size * tp_size."""
+    replicas = len(server.manager.replicas)
+    if kind != "init_weights_update_group":
+        return [args] * replicas
+    tp_size = server.settings.parallel.tp_size
+    return [{**args, "rank_offset": args["rank_offset"] + d * tp_size} for d in range(replicas)]
+
+
 async def _call(request: Request, kind: str, args: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    """The call on every data-parallel replica at once; it succeeds only if all of them do (a
+    refusal is the first failing replica's error; the others keep what they did)."""
     server: ServerState = request.app.state.server
     if args.pop("abort_all_requests", False):
         await server.manager.abort(None, True)
-    ok, data = await server.manager.control(kind, timeout or server.settings.server.rollout_timeout_s, args)
-    if not ok:
-        raise APIError(int(data.get("status", 500)), str(data.get("error")), param=data.get("param"))
-    return data
+    results = await server.manager.control_all(kind, timeout or server.settings.server.rollout_timeout_s,
+                                               _replica_args(server, kind, args))
+    failed = replica_failure(results)
+    if failed is not None:
+        rank, data = failed
+        where = f"dp rank {rank}: " if len(results) > 1 else ""
+        raise APIError(int(data.get("status", 500)), where + str(data.get("error")), param=data.get("param"))
+    return results[0][1]
 
 
 async def _body(request: Request, path: str) -> dict[str, Any]:

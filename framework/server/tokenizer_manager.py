@@ -5,6 +5,10 @@ zmq PUSH socket, and one receive task reads the scheduler's messages and turns e
 into text with a :class:`~framework.engine.request_state.RequestState` (the same class the
 in-process Engine uses, so both produce identical text). The deltas of all the scheduler requests
 that make up one HTTP request (a batch, ``n`` choices) arrive on one :class:`RequestGroup` queue.
+
+With data parallelism (``parallel.dp_size`` > 1) there is one socket pair and one receive task per
+replica (``framework.server.data_parallel``); each group lives on the replica the load balancer
+picked for it, and its aborts go there.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +26,7 @@ import zmq.asyncio
 from framework.engine.request_state import RequestState
 from framework.sampling.params import SamplingParams
 from framework.server import ipc
+from framework.server.data_parallel import LoadBalancer, Replica, bind_replicas, combined_load
 from framework.server.errors import APIError
 from framework.server.metrics import ServerMetrics
 
@@ -75,8 +81,10 @@ class Event:
 class RequestGroup:
     """The scheduler requests of one HTTP request; their events arrive on one queue."""
 
-    def __init__(self, rid: str, subs: list[SubRequest], states: list[RequestState]) -> None:
+    def __init__(self, rid: str, subs: list[SubRequest], states: list[RequestState], dp_rank: int = 0) -> None:
         self.rid = rid
+        self.dp_rank = dp_rank
+        """The data-parallel replica that runs every request of the group."""
         self.rids = [s.rid for s in subs]
         self.states = states
         self.queue: asyncio.Queue[Event | APIError] = asyncio.Queue()
@@ -109,53 +117,66 @@ class RequestGroup:
 
 
 class TokenizerManager:
-    """Sends requests to the scheduler process and routes its outputs back to request groups."""
+    """Sends requests to the scheduler processes (one per data-parallel replica) and routes their
+    outputs back to request groups.
 
-    def __init__(self, tokenizer: Any, metrics: ServerMetrics, to_scheduler: str, from_scheduler: str) -> None:
+    ``endpoints`` holds one ``(to_scheduler, from_scheduler)`` address pair per replica, in
+    ``dp_rank`` order; ``balance`` is ``parallel.load_balance_method``.
+    """
+
+    def __init__(self, tokenizer: Any, metrics: ServerMetrics, endpoints: Sequence[tuple[str, str]],
+                 balance: str = "round_robin") -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.bind(to_scheduler)
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.bind(from_scheduler)
+        self.replicas: list[Replica] = bind_replicas(self.ctx, endpoints)
+        self.balancer = LoadBalancer(balance, self.replicas)
         self.info: dict[str, Any] = {}
+        """Replica 0's Ready info (each replica's is on ``replicas[i].info``)."""
         self.dead: str | None = None
         self.last_load: dict[str, Any] = {}
         self._routes: dict[str, tuple[RequestGroup, int]] = {}
         self._groups: dict[str, RequestGroup] = {}
         self._calls: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
         self._call_ids = itertools.count()
-        self._recv_task: asyncio.Task[None] | None = None
+        self._recv_tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def wait_ready(self) -> dict[str, Any]:
-        """Wait for the scheduler's Ready message; raises SchedulerStartError if it failed."""
+        """Wait for every replica's Ready message (returns replica 0's info); raises
+        SchedulerStartError if one failed."""
+        await asyncio.gather(*(self._wait_replica_ready(r) for r in self.replicas))
+        self.info = self.replicas[0].info
+        return self.info
+
+    async def _wait_replica_ready(self, replica: Replica) -> None:
         while True:
-            msg = ipc.decode_from_scheduler(await self.pull.recv())
+            msg = ipc.decode_from_scheduler(await replica.pull.recv())
             if isinstance(msg, ipc.Ready):
-                self.info = msg.info
-                return msg.info
+                replica.info = msg.info
+                return
             if isinstance(msg, ipc.StartupFailed):
-                raise SchedulerStartError(msg.message)
+                where = f"dp rank {replica.dp_rank}: " if len(self.replicas) > 1 else ""
+                raise SchedulerStartError(where + msg.message)
 
     def start(self) -> None:
-        self._recv_task = asyncio.get_running_loop().create_task(self._receive_loop())
+        loop = asyncio.get_running_loop()
+        self._recv_tasks = [loop.create_task(self._receive_loop(r)) for r in self.replicas]
 
     async def close(self) -> None:
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-        self.push.close(linger=0)
-        self.pull.close(linger=0)
+        for task in self._recv_tasks:
+            task.cancel()
+        for replica in self.replicas:
+            replica.push.close(linger=0)
+            replica.pull.close(linger=0)
         self.ctx.term()
 
     async def shutdown_scheduler(self) -> None:
-        """Ask the scheduler loop to exit (the launcher escalates if it does not)."""
+        """Ask every scheduler loop to exit (the launcher escalates if one does not)."""
         if self.dead is None:
-            await self.push.send(ipc.encode(ipc.Shutdown()))
+            for replica in self.replicas:
+                await replica.push.send(ipc.encode(ipc.Shutdown()))
 
     def on_scheduler_death(self, reason: str) -> None:
         """Fail everything in flight at once; /health answers 503 from now on."""
@@ -172,13 +193,14 @@ class TokenizerManager:
         """End every open request now (the shutdown grace period is over): each unfinished one
         finishes with reason abort, its client gets ``error`` (a 503, or in a stream the last
         chunks, an error event and ``[DONE]``), and the scheduler frees its KV. Returns how many."""
-        rids = self._end_all(error)
-        if rids and self.dead is None:
-            await self.push.send(ipc.encode(ipc.Abort(rids=rids)))
-        return len(rids)
+        ended = self._end_all(error)
+        if self.dead is None:
+            await self._send_aborts(ended)
+        return sum(len(rids) for rids in ended.values())
 
-    def _end_all(self, error: APIError) -> list[str]:
-        ended: list[str] = []
+    def _end_all(self, error: APIError) -> dict[int, list[str]]:
+        """End every open group; the ids that were still running, by replica."""
+        ended: dict[int, list[str]] = {}
         for group in list(self._groups.values()):
             for index, state in enumerate(group.states):
                 if not state.finished:
@@ -186,12 +208,19 @@ class TokenizerManager:
                     self.metrics.finished("abort", state.prompt_tokens, state.completion_tokens,
                                           state.cached_tokens, state.created, state.first_token_at)
                     group.queue.put_nowait(Event(index, "", True))
-                    ended.append(state.rid)
+                    ended.setdefault(group.dp_rank, []).append(state.rid)
             group.fail(error)
             group.closed = True  # nothing is left for close_group to abort
         self._groups.clear()
         self._routes.clear()
+        for replica in self.replicas:
+            replica.in_flight = 0
         return ended
+
+    async def _send_aborts(self, rids_by_rank: dict[int, list[str]]) -> None:
+        for rank, rids in rids_by_rank.items():
+            if rids:
+                await self.replicas[rank].push.send(ipc.encode(ipc.Abort(rids=rids)))
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -206,12 +235,14 @@ class TokenizerManager:
         message = ipc.encode(ipc.GenerateBatch(reqs=[s.to_ipc() for s in subs]))
         states = [RequestState(s.rid, self.tokenizer, s.input_ids, s.params, s.return_logprob,
                                s.token_ids_logprob) for s in subs]
-        group = RequestGroup(group_rid, subs, states)
+        replica = self.balancer.pick()
+        group = RequestGroup(group_rid, subs, states, replica.dp_rank)
         self._groups[group_rid] = group
         for i, s in enumerate(subs):
             self._routes[s.rid] = (group, i)
+        replica.in_flight += len(subs)
         try:
-            await self.push.send(message)
+            await replica.push.send(message)
         except BaseException:
             self._forget(group)
             raise
@@ -231,47 +262,64 @@ class TokenizerManager:
                 self.metrics.finished("abort", s.prompt_tokens, s.completion_tokens, s.cached_tokens,
                                       s.created, s.first_token_at)
         # Also for a failed group: aborting an id the scheduler refused or finished is a no-op.
-        await self.push.send(ipc.encode(ipc.Abort(rids=[s.rid for s in unfinished])))
+        await self._send_aborts({group.dp_rank: [s.rid for s in unfinished]})
 
     async def abort(self, rid: str | None, abort_all: bool = False) -> list[str]:
         """/abort_request: abort by group or scheduler request id (or everything); the clients
         of those requests still receive their final, aborted, outputs. Returns the aborted ids."""
         self._check_alive()
+        by_rank: dict[int, list[str]] = {}
         if abort_all:
-            rids = list(self._routes)
+            for sub_rid, (group, _) in self._routes.items():
+                by_rank.setdefault(group.dp_rank, []).append(sub_rid)
         elif rid in self._groups:
             group = self._groups[rid]
-            rids = [s.rid for s in group.states if not s.finished]
+            by_rank[group.dp_rank] = [s.rid for s in group.states if not s.finished]
         elif rid in self._routes:
-            rids = [rid]
-        else:
-            rids = []
-        if rids:
-            await self.push.send(ipc.encode(ipc.Abort(rids=rids)))
-        return rids
+            by_rank[self._routes[rid][0].dp_rank] = [rid]
+        await self._send_aborts(by_rank)
+        return [r for rids in by_rank.values() for r in rids]
 
-    async def control(self, kind: str, timeout: float,
-                      args: dict[str, Any] | None = None) -> tuple[bool, dict[str, Any]]:
-        """A control call to the scheduler (one of :data:`framework.server.ipc.CONTROL_KINDS`)."""
+    async def control(self, kind: str, timeout: float, args: dict[str, Any] | None = None,
+                      dp_rank: int = 0) -> tuple[bool, dict[str, Any]]:
+        """A control call to one replica's scheduler (one of :data:`framework.server.ipc.CONTROL_KINDS`)."""
         self._check_alive()
         call_id = next(self._call_ids)
         fut: asyncio.Future[tuple[bool, dict[str, Any]]] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self.push.send(ipc.encode(ipc.Control(call_id=call_id, kind=kind, args=args or {})))
+        control = ipc.Control(call_id=call_id, kind=kind, args=args or {})
+        await self.replicas[dp_rank].push.send(ipc.encode(control))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise APIError(503, f"the scheduler did not answer {kind} within {timeout:g}s") from None
+            where = f" (dp rank {dp_rank})" if len(self.replicas) > 1 else ""
+            raise APIError(503, f"the scheduler{where} did not answer {kind} within {timeout:g}s") from None
         finally:
             self._calls.pop(call_id, None)
 
+    async def control_all(self, kind: str, timeout: float,
+                          args: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+                          ) -> list[tuple[bool, dict[str, Any]]]:
+        """The same control call to every replica at once (``args``: one dict for all, or one per
+        replica); their answers in ``dp_rank`` order."""
+        per_rank = [args] * len(self.replicas) if args is None or isinstance(args, dict) else list(args)
+        calls = [self.control(kind, timeout, per_rank[r.dp_rank], r.dp_rank) for r in self.replicas]
+        return list(await asyncio.gather(*calls))
+
     async def refresh_load(self) -> None:
         try:
-            _, load = await self.control("get_load", LOAD_REFRESH_TIMEOUT_S)
+            results = await self.control_all("get_load", LOAD_REFRESH_TIMEOUT_S)
         except APIError:
             return  # /metrics still renders, with the last known gauges
-        self.last_load = load
-        self.metrics.update_load(load)
+        for replica, (ok, load) in zip(self.replicas, results, strict=True):
+            if ok:
+                replica.last_load = load
+        self.refresh_gauges()
+
+    def refresh_gauges(self) -> None:
+        """The /metrics load gauges from the replicas' last reports, summed over replicas."""
+        self.last_load = combined_load([r.last_load for r in self.replicas])
+        self.metrics.update_load(self.last_load)
 
     def num_active(self) -> int:
         return len(self._routes)
@@ -284,35 +332,39 @@ class TokenizerManager:
         self._groups.pop(group.rid, None)
         for rid in group.rids:
             if self._routes.get(rid, (None,))[0] is group:
-                del self._routes[rid]
+                self._drop_route(rid)
+
+    def _drop_route(self, rid: str) -> None:
+        group = self._routes.pop(rid)[0]
+        self.replicas[group.dp_rank].in_flight -= 1
 
     # -- receiving ---------------------------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
+    async def _receive_loop(self, replica: Replica) -> None:
         while True:
-            data = await self.pull.recv()
+            data = await replica.pull.recv()
             try:
-                self._dispatch(ipc.decode_from_scheduler(data))
+                self._dispatch(ipc.decode_from_scheduler(data), replica)
             except Exception:  # one bad message must not stop the delivery of all others
-                logger.exception("failed to handle a message from the scheduler")
+                logger.exception("failed to handle a message from the scheduler (dp rank %s)", replica.dp_rank)
 
-    def _dispatch(self, msg: ipc.FromScheduler) -> None:
+    def _dispatch(self, msg: ipc.FromScheduler, replica: Replica) -> None:
         if isinstance(msg, ipc.Outputs):
-            self.last_load = msg.load
-            self.metrics.update_load(msg.load)
+            replica.last_load = msg.load
+            self.refresh_gauges()
             for out in msg.outputs:
-                self._on_output(out)
+                self._on_output(out, replica.dp_rank)
         elif isinstance(msg, ipc.Rejected):
-            self._on_rejected(msg)
+            self._on_rejected(msg, replica.dp_rank)
         elif isinstance(msg, ipc.ControlReply):
             fut = self._calls.get(msg.call_id)
             if fut is not None and not fut.done():
                 fut.set_result((msg.ok, msg.data))
 
-    def _on_output(self, out: Any) -> None:
+    def _on_output(self, out: Any, dp_rank: int) -> None:
         route = self._routes.get(out.rid)
-        if route is None:
-            return  # an aborted request's last delta, or a rejected sibling
+        if route is None or route[0].dp_rank != dp_rank:
+            return  # an aborted request's last delta (its id may be in use again elsewhere), a rejected sibling
         group, index = route
         state = group.states[index]
         had_first = state.first_token_at is not None
@@ -328,7 +380,7 @@ class TokenizerManager:
         if out.new_token_ids and state.last_token_at is not None:
             self.metrics.tokens(len(out.new_token_ids), previous_at, state.last_token_at)
         if state.finished:
-            del self._routes[out.rid]
+            self._drop_route(out.rid)
             reason = (state.finish_reason or {}).get("type", "abort")
             self.metrics.finished(reason, state.prompt_tokens, state.completion_tokens, state.cached_tokens,
                                   state.created, state.first_token_at)
@@ -336,9 +388,9 @@ class TokenizerManager:
         if group.finished:
             self._groups.pop(group.rid, None)
 
-    def _on_rejected(self, msg: ipc.Rejected) -> None:
+    def _on_rejected(self, msg: ipc.Rejected, dp_rank: int) -> None:
         route = self._routes.get(msg.rids[0]) if msg.rids else None
-        if route is None:
+        if route is None or route[0].dp_rank != dp_rank:
             return
         group = route[0]
         headers = {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)} if msg.status == 503 else None

@@ -117,24 +117,31 @@ def start_server(tmp: Path, overrides: list[str], api_key: str | None = None,
     return server
 
 
+def replicas(info: dict) -> list[dict]:
+    """Every data-parallel replica's entry of a /server_info reply (pid, requests, load, leak report)."""
+    return info.get("dp") or [info]
+
+
 def wait_idle(server: Server, timeout: float = 30.0) -> dict:
-    """/server_info once nothing runs, waits or is tracked by the HTTP process."""
+    """/server_info once nothing runs, waits or is tracked by the HTTP process, on any replica."""
     deadline = time.monotonic() + timeout
     info: dict = {}
     while time.monotonic() < deadline:
         info = httpx.get(f"{server.url}/server_info", headers=server.headers(), timeout=30).json()
-        if info["active_requests"] == 0 and info["num_requests"] == 0:
+        if info["active_requests"] == 0 and all(r["num_requests"] == 0 for r in replicas(info)):
             return info
         time.sleep(0.1)
     raise AssertionError(f"the server did not go idle: {info.get('load')}, {info.get('active_requests')} active")
 
 
 def assert_no_leak(server: Server) -> None:
-    """The KV invariant once idle: free + evictable + protected == total, every request row free."""
-    report = wait_idle(server)["leak_report"]
-    assert report["free"] + report["evictable"] + report["protected"] == report["total"], report
-    assert report["held_by_requests"] == 0 and report["leaked"] == 0, report
-    assert report["req_slots_free"] == report["req_slots_total"], report
+    """The KV invariant once idle, on every replica: free + evictable + protected == total, every
+    request row free."""
+    for replica in replicas(wait_idle(server)):
+        report = replica["leak_report"]
+        assert report["free"] + report["evictable"] + report["protected"] == report["total"], replica
+        assert report["held_by_requests"] == 0 and report["leaked"] == 0, replica
+        assert report["req_slots_free"] == report["req_slots_total"], replica
 
 
 def engine_overrides(model: Path) -> list[str]:
