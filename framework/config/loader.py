@@ -164,6 +164,11 @@ def _check_values(cfg: DictConfig) -> None:
         ("server.shutdown_timeout_s", cfg.server.shutdown_timeout_s >= 0, ">= 0"),
         ("server.enable_custom_logit_processor", not cfg.server.enable_custom_logit_processor,
          "false (custom logit processors are serialized Python code from the client, which plugserve never runs)"),
+        ("parallel.dp_size", cfg.parallel.dp_size >= 1, ">= 1"),
+        # Every replica would bind the same bootstrap / transfer ports: run several PD servers
+        # behind the router instead.
+        ("parallel.dp_size", cfg.parallel.dp_size == 1 or cfg.disaggregation.mode is None,
+         "1 with disaggregation.mode prefill or decode (put several servers behind plugserve router)"),
         ("cuda_graph.max_batch_size", cfg.cuda_graph.max_batch_size >= 1, ">= 1"),
         ("cuda_graph.num_warmup_runs", cfg.cuda_graph.num_warmup_runs >= 1, ">= 1"),
         (
