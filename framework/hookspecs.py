@@ -93,6 +93,18 @@ def register_schedule_policies(register: Register) -> None:
 
 
 @hookspec
+def register_communicators(register: Register) -> None:
+    """Register communicators: the collectives of tensor parallelism (``parallel.communicator``).
+
+    Factory signature: ``factory(addr, port, rank, size, device, timeout_s, options) -> Communicator``:
+    join the group of ``size`` ranks whose rendezvous is ``addr:port`` (rank 0 hosts it) and provide
+    ``all_reduce``, ``all_gather``, ``broadcast_bytes``, ``barrier``, ``close``. See
+    :class:`framework.distributed.communicator.Communicator`. A GPU build registers its own here
+    (e.g. a custom all-reduce) and declares ``devices=("cuda",)`` and an ``auto`` priority.
+    """
+
+
+@hookspec
 def register_memory_savers(register: Register) -> None:
     """Register memory savers (what ``/release_memory_occupation`` uses to free memory).
 

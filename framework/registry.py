@@ -20,6 +20,7 @@ KIND_HOOKS: dict[str, str] = {
     "tool_parser": "register_tool_parsers",
     "reasoning_parser": "register_reasoning_parsers",
     "memory_saver": "register_memory_savers",
+    "communicator": "register_communicators",
 }
 
 

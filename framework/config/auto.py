@@ -21,7 +21,7 @@ AUTO_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 1024}
 
 #: (name key, registry kind) of the components whose declared devices are checked.
 DEVICE_CHECKED = (("attention.backend", "attention_backend"), ("memory_pool.name", "memory_pool"),
-                  ("memory_saver.name", "memory_saver"))
+                  ("memory_saver.name", "memory_saver"), ("parallel.communicator", "communicator"))
 
 
 def _mode(cfg: DictConfig) -> str | None:
@@ -49,6 +49,8 @@ def resolve_auto(cfg: DictConfig) -> None:
         cfg.memory_pool.name = _auto(registry, "memory_pool", device, "memory_pool.name", needs)
     if cfg.grammar.backend == "auto":
         cfg.grammar.backend = _auto(registry, "grammar_backend", device, "grammar.backend")
+    if cfg.parallel.communicator == "auto":
+        cfg.parallel.communicator = _auto(registry, "communicator", device, "parallel.communicator")
     if cfg.memory_saver.name == "auto":
         cfg.memory_saver.name = _auto(registry, "memory_saver", device, "memory_saver.name")
     supports = None

@@ -40,6 +40,7 @@ COMPONENT_SLOTS: tuple[tuple[str, str, str], ...] = (
     ("grammar.backend", "grammar.options", "grammar_backend"),
     ("disaggregation.transfer_backend", "disaggregation.transfer_options", "transfer_backend"),
     ("memory_saver.name", "memory_saver.options", "memory_saver"),
+    ("parallel.communicator", "parallel.communicator_options", "communicator"),
 )
 
 #: (key of an optional component name, registry kind): null means "none"; they take no options.
@@ -169,6 +170,16 @@ def _check_values(cfg: DictConfig) -> None:
         # behind the router instead.
         ("parallel.dp_size", cfg.parallel.dp_size == 1 or cfg.disaggregation.mode is None,
          "1 with disaggregation.mode prefill or decode (put several servers behind plugserve router)"),
+        ("parallel.tp_size", cfg.parallel.tp_size >= 1, ">= 1"),
+        ("parallel.tp_size", cfg.parallel.tp_size == 1 or cfg.disaggregation.mode is None,
+         "1 with disaggregation.mode prefill or decode (prefill/decode across TP sizes is not built yet)"),
+        ("parallel.nnodes", cfg.parallel.nnodes >= 1 and cfg.parallel.tp_size % cfg.parallel.nnodes == 0,
+         f">= 1 and divide parallel.tp_size ({cfg.parallel.tp_size}): each host runs tp_size / nnodes ranks"),
+        ("parallel.node_rank", 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes,
+         f"in [0, parallel.nnodes - 1] = [0, {cfg.parallel.nnodes - 1}]"),
+        ("parallel.dist_init_addr", cfg.parallel.nnodes == 1 or _host_port(cfg.parallel.dist_init_addr),
+         "host:port of the node-0 rendezvous when parallel.nnodes > 1"),
+        ("parallel.dist_timeout_s", cfg.parallel.dist_timeout_s > 0, "> 0"),
         ("cuda_graph.max_batch_size", cfg.cuda_graph.max_batch_size >= 1, ">= 1"),
         ("cuda_graph.num_warmup_runs", cfg.cuda_graph.num_warmup_runs >= 1, ">= 1"),
         (
@@ -193,6 +204,11 @@ def _check_values(cfg: DictConfig) -> None:
     for key, ok, allowed in checks:
         if not ok:
             raise ConfigError(f"{key}: invalid value {OmegaConf.select(cfg, key)!r}, must be {allowed}")
+
+
+def _host_port(value: str | None) -> bool:
+    host, _, port = (value or "").rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _keys_from_environment(cfg: DictConfig) -> None:

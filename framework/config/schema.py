@@ -317,6 +317,8 @@ class ParallelConfig:
     communicator: str = "auto"
     """A registered communicator (all-reduce / all-gather for the parallel layers); auto: the
     highest ``auto_priority`` one for the device (built-in: torch_distributed)."""
+    communicator_options: Any = field(default_factory=dict)
+    """Options of the communicator plugin (validated against its options dataclass)."""
     dist_timeout_s: float = 600.0
     """How long a collective may wait for a peer rank before the ranks give up (a dead rank)."""
 

@@ -18,9 +18,11 @@ from framework.config.schema import PlugserveConfig
 from framework.disaggregation.factory import make_pd_side
 from framework.engine.request_state import RequestState, make_sampling_params
 from framework.engine.rollout_api import RolloutMethods
+from framework.engine.tensor_parallel import FollowerProcesses, start_leader
 from framework.executor.model_runner import ModelRunner
 from framework.models.loader import load_generation_config
 from framework.sampling.params import SamplingParams, choice_seed
+from framework.scheduler.replicated import ReplicatedScheduler
 from framework.scheduler.request import Req
 from framework.scheduler.scheduler import Scheduler
 
@@ -54,8 +56,13 @@ class Engine(RolloutMethods):
         self.settings = to_settings(config)
         model_cfg = self.settings.model
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path)
+        self.followers: FollowerProcesses | None = None
+        comm = None
+        if self.settings.parallel.tp_size > 1:  # this process is rank 0; the other ranks start here
+            comm, self.followers = start_leader(self.settings)
         self.runner = ModelRunner(self.settings, progress=progress)
-        self.scheduler = Scheduler(self.settings, self.runner, self.tokenizer, pd_side=make_pd_side)
+        scheduler = Scheduler(self.settings, self.runner, self.tokenizer, pd_side=make_pd_side)
+        self.scheduler = scheduler if comm is None else ReplicatedScheduler(scheduler, comm, self.followers)
         self.generation_defaults = load_generation_config(model_cfg.path)
         self.eos_token_ids = eos_token_ids(self.generation_defaults, self.tokenizer)
         self._states: dict[str, RequestState] = {}
@@ -97,6 +104,8 @@ class Engine(RolloutMethods):
 
     def step(self) -> dict[str, str]:
         """Run one scheduler step; return the text delta of each request that advanced."""
+        if self.followers is not None:
+            self.followers.check()  # a dead rank would leave the next collective waiting
         deltas: dict[str, str] = {}
         for out in self.scheduler.step():
             state = self._states.get(out.rid)
@@ -174,3 +183,14 @@ class Engine(RolloutMethods):
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
+
+    def close(self) -> None:
+        """Stop the scheduler (and the other tensor-parallel ranks, when there are some)."""
+        self.scheduler.close()
+        if self.followers is not None:
+            self.followers.stop()
+            self.followers = None
+            from framework.distributed.state import get_tensor_parallel, set_tensor_parallel
+
+            get_tensor_parallel().comm.close()
+            set_tensor_parallel(None)

@@ -16,6 +16,7 @@ import torch
 
 from framework.config.loader import validate_options
 from framework.config.schema import PlugserveConfig
+from framework.distributed.state import get_tensor_parallel, kv_heads_per_rank
 from framework.errors import ConfigError
 from framework.executor.cuda_graph_runner import CudaGraphRunner, maybe_create_cuda_graph_runner
 from framework.executor.forward_batch import ForwardBatch
@@ -82,6 +83,10 @@ class ModelRunner:
         self.weights = ModelWeights(self.model, model_comp.factory, model_options, self.hf_config, self.dtype,
                                     packed=self.linear_impl == "onednn", saver=self.memory_saver)
 
+        # This rank's KV heads: a tensor-parallel rank caches only the heads its attention computes.
+        self.tp = get_tensor_parallel()
+        total_kv = getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+        self.kv_heads = kv_heads_per_rank(total_kv, self.tp.size)
         self.plan = self._plan_memory()
         kv_dtype = self.dtype if settings.kv_cache.dtype.value == "auto" else getattr(
             torch, settings.kv_cache.dtype.value
@@ -95,7 +100,7 @@ class ModelRunner:
                 num_layers=text_cfg.num_hidden_layers,
                 num_pages=self.plan.num_pages,
                 page_size=self.plan.page_size,
-                num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads,
+                num_kv_heads=self.kv_heads,
                 head_dim=head_dim,
                 dtype=kv_dtype,
                 device=self.device,
@@ -147,12 +152,7 @@ class ModelRunner:
         page_size = s.kv_cache.page_size
         kv_dtype = self.dtype if s.kv_cache.dtype.value == "auto" else getattr(torch, s.kv_cache.dtype.value)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_token = KVCache.bytes_per_token_all_layers(
-            cfg.num_hidden_layers,
-            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim,
-            kv_dtype,
-        )
+        per_token = KVCache.bytes_per_token_all_layers(cfg.num_hidden_layers, self.kv_heads, head_dim, kv_dtype)
         if s.kv_cache.max_total_tokens is not None:
             tokens = s.kv_cache.max_total_tokens
         elif self.device.type == "cuda":
@@ -228,5 +228,7 @@ class ModelRunner:
             "memory_pool": self.settings.memory_pool.name,
             "cpu_linear": self.linear_impl,
             "memory_saver": self.memory_saver.name,
+            "tp_size": self.tp.size,
+            "kv_heads_per_rank": self.kv_heads,
             "cuda_graph_batch_sizes": self.cuda_graph_runner.sizes if self.cuda_graph_runner else None,
         }

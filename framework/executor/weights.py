@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.distributed.state import get_tensor_parallel
 from framework.memory.memory_saver import MemorySaver, trim_heap
 from framework.models.cpu_linear import PackedLinear, pack_linear_layers, unpack_linear_layers
 from framework.models.loader import default_dtype, iter_safetensors_weights, load_hf_config, safetensors_files
@@ -129,7 +130,8 @@ class ModelWeights:
             raise WeightUpdateError(f"model_path {path!r} does not provide {', '.join(missing[:5])}"
                                     + (" ..." if len(missing) > 5 else ""), missing[0])
         with self._dense(targets):
-            self.model.load_weights(iter_safetensors_weights(path, progress=False))
+            lazy = get_tensor_parallel().size > 1
+            self.model.load_weights(iter_safetensors_weights(path, progress=False, lazy=lazy))
         return len(specs)
 
     @contextlib.contextmanager

@@ -101,6 +101,17 @@ def onednn_linear_available() -> bool:
         return False
 
 
+def _without_weight(linear: nn.Linear) -> nn.Linear:
+    """A copy of ``linear`` (same class, attributes and bias) whose weight is a meta placeholder,
+    so keeping it costs no memory; ``linear`` itself is left as it was."""
+    copy = object.__new__(type(linear))
+    copy.__dict__.update(linear.__dict__)
+    copy._parameters = dict(linear._parameters)
+    copy._buffers, copy._modules = dict(linear._buffers), dict(linear._modules)
+    copy._parameters["weight"] = nn.Parameter(torch.empty_like(linear.weight, device="meta"), requires_grad=False)
+    return copy
+
+
 class PackedLinear(nn.Module):
     """Inference-only stand-in for an fp32 or bf16 ``nn.Linear`` on CPU, its weight pre-packed for oneDNN.
 
@@ -118,16 +129,25 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         # A tied lm_head shares its Parameter with the embedding, which still needs it.
         self.weight = linear.weight if keep_dense_weight else None
+        # The collective that completes a tensor-parallel layer (framework.models.parallel).
+        self.output_op = getattr(linear, "output_op", None)
+        # The replaced module, its dense weight dropped, for unpack_linear_layers to put back (as a
+        # plain attribute: not a submodule, so its parameters are not the model's any more).
+        object.__setattr__(self, "source", _without_weight(linear) if not keep_dense_weight else linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # oneDNN wants a dense row-major input; the model's inputs already are, so this is free.
         y = torch.ops.mkldnn._linear_pointwise(_padded_rows(x), self.packed_weight, self.bias, "none", [], "")
-        return _unpadded(y, x)
+        y = _unpadded(y, x)
+        return y if self.output_op is None else self.output_op(y)
 
     def forward_add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``linear(x) + other`` with the add done by oneDNN as a post-op while the output tile is
         still in cache (bitwise equal to the separate add: IEEE addition is commutative). Measured
-        1-4% faster than GEMM-then-add at 1 and 64 rows, equal at 1024; it also saves an allocation."""
+        1-4% faster than GEMM-then-add at 1 and 64 rows, equal at 1024; it also saves an allocation.
+        A tensor-parallel layer adds after its collective (each rank adding would count it N times)."""
+        if self.output_op is not None:
+            return other + self.forward(x)
         y = torch.ops.mkldnn._linear_pointwise.binary(
             _padded_rows(x), _padded_rows(other), self.packed_weight, self.bias, "add"
         )
@@ -155,6 +175,7 @@ class PackedSwiGLU(nn.Module):
         bias = gate_up.bias
         self.gate_bias = None if bias is None else bias.detach()[:half].contiguous()
         self.up_bias = None if bias is None else bias.detach()[half:].contiguous()
+        object.__setattr__(self, "source", _without_weight(gate_up))  # see PackedLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _padded_rows(x)
@@ -193,7 +214,7 @@ def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
         if not isinstance(gate_up, nn.Linear) or not isinstance(act, SiluAndMul):
             raise TypeError(f"{type(module).__name__} declares FusableSwiGLU but has no nn.Linear gate_up_proj "
                             "and SiluAndMul act")
-        if type(gate_up) is nn.Linear and gate_up.weight.dtype in dtypes:
+        if _packable(gate_up, dtypes) and getattr(gate_up, "output_op", None) is None:
             module.gate_up_proj = PackedSwiGLU(gate_up)
             module.act = nn.Identity()
             fused += 1
@@ -214,11 +235,19 @@ def pack_linear_layers(model: nn.Module) -> int:
     replaced = _fuse_swiglu(model, dtypes)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype in dtypes and child.weight.device.type == "cpu":
+            if _packable(child, dtypes):
                 setattr(parent, name, PackedLinear(child, keep_dense_weight=id(child.weight) in shared))
                 replaced += 1
     logger.info("packed %d linear layers for oneDNN", replaced)
     return replaced
+
+
+def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """A plain ``nn.Linear`` or a tensor-parallel one, on CPU, in a dtype oneDNN packs here."""
+    from framework.models.parallel import ParallelLinear
+
+    plain = type(module) is nn.Linear or isinstance(module, ParallelLinear)
+    return plain and module.weight.dtype in dtypes and module.weight.device.type == "cpu"
 
 
 def _shared_parameter_ids(model: nn.Module) -> set[int]:
@@ -238,12 +267,10 @@ def _dense_from_packed(packed: torch.Tensor, in_features: int, dtype: torch.dtyp
     return torch.ops.mkldnn._linear_pointwise(eye, packed, None, "none", [], "").t().contiguous()
 
 
-def _unpacked_linear(weight: torch.Tensor | nn.Parameter, bias: torch.Tensor | None) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
-    linear.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        linear.bias = nn.Parameter(bias, requires_grad=False)
-    return linear
+def _unpacked_linear(source: nn.Linear, weight: torch.Tensor | nn.Parameter) -> nn.Linear:
+    """The module a packed layer replaced, with its dense weight back (its bias never left)."""
+    source.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+    return source
 
 
 def unpack_linear_layers(model: nn.Module, names: set[str] | None = None) -> int:
@@ -262,14 +289,13 @@ def unpack_linear_layers(model: nn.Module, names: set[str] | None = None) -> int
             if isinstance(child, PackedLinear):
                 weight = child.weight if child.weight is not None else _dense_from_packed(
                     child.packed_weight, child.in_features, child.packed_weight.dtype)
-                setattr(parent, name, _unpacked_linear(weight, child.bias))
+                setattr(parent, name, _unpacked_linear(child.source, weight))
                 count += 1
             elif isinstance(child, PackedSwiGLU):
                 dtype = child.gate.dtype
                 gate = _dense_from_packed(child.gate, child.in_features, dtype)
                 up = _dense_from_packed(child.up, child.in_features, dtype)
-                bias = None if child.gate_bias is None else torch.cat([child.gate_bias, child.up_bias])
-                setattr(parent, name, _unpacked_linear(torch.cat([gate, up]), bias))
+                setattr(parent, name, _unpacked_linear(child.source, torch.cat([gate, up])))
                 parent.act = SiluAndMul()
                 count += 1
     return count

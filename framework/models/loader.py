@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.distributed.state import get_tensor_parallel
 from framework.models import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -116,8 +117,30 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def iter_safetensors_weights(path: str | os.PathLike[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, cpu_tensor)`` for every tensor of a single-file or sharded safetensors checkpoint.
+class LazyTensor:
+    """A checkpoint tensor not read yet: its ``shape``, and indexing (``t[a:b]``, ``t[:, a:b]``)
+    that reads only the rows or columns asked for. A tensor-parallel rank loads its shards through
+    these (``framework.models.parallel``), so it never reads the other ranks' parts. Casting
+    (``torch.as_tensor``-like use) goes through :meth:`full`."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._slice[index]
+
+    def full(self) -> torch.Tensor:
+        return self._slice[:] if self.shape else self._slice[()]
+
+
+def iter_safetensors_weights(path: str | os.PathLike[str], progress: bool = True,
+                             lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, cpu_tensor)`` for every tensor of a single-file or sharded safetensors checkpoint
+    (``(name, LazyTensor)`` with ``lazy``: what a tensor-parallel model's loader slices).
 
     Shards are opened one at a time and tensors are read lazily, so peak host memory stays around
     one tensor rather than one shard. The progress bar counts tensors over all shards.
@@ -132,7 +155,7 @@ def iter_safetensors_weights(path: str | os.PathLike[str], progress: bool = True
         for file, handle in zip(files, handles, strict=True):
             bar.set_postfix_str(os.path.basename(file))
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, LazyTensor(handle, name) if lazy else handle.get_tensor(name)
                 bar.update(1)
 
 
@@ -210,7 +233,9 @@ def build_model(
         for param in model.parameters():
             if param.is_floating_point():
                 param.fill_(float("nan"))
-        model.load_weights(iter_safetensors_weights(path, progress=progress))
+        # A tensor-parallel rank reads only its slices of each tensor.
+        lazy = get_tensor_parallel().size > 1
+        model.load_weights(iter_safetensors_weights(path, progress=progress, lazy=lazy))
         missing = [
             name
             for name, param in model.named_parameters()

@@ -20,6 +20,7 @@ Public API, for the loops (``framework.scheduler.loops``, ``overlap``) and the P
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -210,7 +211,12 @@ class Scheduler:
         request); with nothing else to run, wait a moment for a compile instead of spinning."""
         if not self.grammar.pending:
             return
-        if not (self.waiting or self.running or self.chunked or self.loop.has_work()):
+        if self.settings.parallel.tp_size > 1:
+            # Every tensor-parallel rank must admit the same requests at the same step, and compile
+            # threads finish at different times on each: wait for them all (off the fast path).
+            futures = [r.grammar_future for r in self.grammar.pending if r.grammar_future is not None]
+            concurrent.futures.wait(futures)
+        elif not (self.waiting or self.running or self.chunked or self.loop.has_work()):
             self.grammar.wait(self.settings.grammar.queue_poll_s)
         for req, error in self.grammar.poll():
             if error is None:

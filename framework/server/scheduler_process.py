@@ -56,6 +56,7 @@ class SchedulerLoop:
             if self.stopping:
                 break
             self._run_deferred()
+            self._check_ranks()
             if self.scheduler.has_work():
                 outputs = self._step()
                 if outputs:
@@ -177,10 +178,17 @@ class SchedulerLoop:
 
     # -- one step, isolated ------------------------------------------------------------------
 
+    def _check_ranks(self) -> None:
+        """With tensor parallelism: raise (and so stop the process) when a follower rank is gone."""
+        followers = getattr(self.scheduler, "followers", None)
+        if followers is not None:
+            followers.check()
+
     def _step(self) -> list:
         try:
             return self.scheduler.step()
         except Exception as exc:
+            self._check_ranks()  # a collective that failed because a rank died is fatal, not a bad batch
             logger.exception("a scheduler step failed; failing the requests that were in flight")
             self._fail_in_flight(f"internal error while running the batch: {type(exc).__name__}: {exc}")
             return []  # the aborts' outputs are pending: the next step() returns them
@@ -225,8 +233,17 @@ def _build(config_path: str) -> tuple[Any, Any, list[int], dict[str, Any]]:
     model_cfg = settings.model
     tokenizer = None if model_cfg.skip_tokenizer_init else AutoTokenizer.from_pretrained(
         model_cfg.tokenizer_path or model_cfg.path)
+    followers = None
+    if settings.parallel.tp_size > 1:  # this process is rank 0; the other ranks start here
+        from framework.engine.tensor_parallel import start_leader
+
+        comm, followers = start_leader(settings, config_path)
     runner = ModelRunner(settings, progress=False)
     scheduler = Scheduler(settings, runner, tokenizer, pd_side=make_pd_side)
+    if followers is not None:
+        from framework.scheduler.replicated import ReplicatedScheduler
+
+        scheduler = ReplicatedScheduler(scheduler, comm, followers)
     eos = eos_token_ids(load_generation_config(model_cfg.path), tokenizer)
     info = {**runner.describe(), "context_length": scheduler.context_len,
             "max_running_requests": scheduler.max_running, "scheduler_pid": os.getpid(),
@@ -244,7 +261,13 @@ def _serve(config_path: str, recv: zmq.Socket, send: zmq.Socket, parent_pid: int
         send.send(ipc.encode(ipc.StartupFailed(message=f"{type(exc).__name__}: {exc}")))
         return 1
     send.send(ipc.encode(ipc.Ready(info={**info, "dp_rank": dp_rank})))
-    SchedulerLoop(scheduler, runner, eos, recv, send, parent_pid, dp_rank).run()
+    try:
+        SchedulerLoop(scheduler, runner, eos, recv, send, parent_pid, dp_rank).run()
+    finally:
+        followers = getattr(scheduler, "followers", None)
+        if followers is not None:  # tell the other tensor-parallel ranks to stop, and wait for them
+            scheduler.close()
+            followers.stop(timeout=10)
     return 0
 
 

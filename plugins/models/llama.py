@@ -5,6 +5,9 @@ Projections are merged for speed on CPU (one GEMM instead of three, one instead 
 fills them from the Hugging Face names. Attention goes only through
 :class:`framework.attention.base.Attention`, i.e. through the configured backend.
 
+Tensor parallelism comes from the layers (``framework.models.parallel``): heads, MLP columns and
+vocabulary are split over ``parallel.tp_size`` ranks, and each rank loads only its shards.
+
 Not implemented: sliding-window attention (Mistral v0.1 declares a 4096-token window; contexts
 longer than the window are computed with full attention) and rope types other than default, linear
 and llama3 (building such a model fails with a clear error).
@@ -27,6 +30,14 @@ from framework.models.layers import (
     SiluAndMul,
     apply_rotary_qkv,
     get_rope,
+)
+from framework.models.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_parallel_weight,
 )
 
 if TYPE_CHECKING:
@@ -52,11 +63,15 @@ class LlamaAttention(nn.Module):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} kv heads")
         self.head_dim = config_head_dim(config)
+        qkv_bias, o_bias = self.projection_biases(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                                          qkv_bias)
+        # From here on, head counts and sizes are this tensor-parallel rank's.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads
+        self.qkv_sizes = list(self.qkv_proj.local_sizes)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        qkv_bias, o_bias = self.projection_biases(config)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id=layer_id)
 
     @classmethod
@@ -94,8 +109,10 @@ class LlamaMLP(nn.Module, FusableSwiGLU):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
+        self.gate_up_sizes = list(self.gate_up_proj.local_sizes)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,7 +147,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, attention_cls) for i in range(config.num_hidden_layers)
         )
@@ -166,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self.options = options
         self.model = LlamaModel(hf_config, self.attention_cls)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(hf_config.hidden_size, hf_config.vocab_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -175,16 +192,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[n, vocab]`` for the given rows of hidden states."""
+        """Float32 logits ``[n, vocab]`` for the given rows of hidden states (gathered from every
+        tensor-parallel rank, so each rank samples from the full row)."""
         return self.lm_head(hidden_states).float()
 
     def _shard_slices(self, merged: str) -> list[tuple[int, int]]:
-        """Row ranges of each shard inside a merged parameter (q, k, v or gate, up)."""
-        if merged == "qkv_proj":
-            attn = self.model.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.config.intermediate_size] * 2
+        """Row ranges of each shard inside this rank's merged parameter (q, k, v or gate, up)."""
+        layer = self.model.layers[0]  # read from the blocks: the projections may be packed (CPU)
+        sizes = layer.self_attn.qkv_sizes if merged == "qkv_proj" else layer.mlp.gate_up_sizes
         bounds, start = [], 0
         for size in sizes:
             bounds.append((start, start + size))
@@ -194,9 +209,13 @@ class LlamaForCausalLM(nn.Module):
     def hf_weight_location(self, name: str) -> tuple[str, tuple[int, int] | None]:
         """Where an HF-named tensor lives here: the parameter's name and, for a shard of a merged
         parameter (q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), its row range."""
+        target, shard = self._target(name)
+        return target, None if shard is None else self._shard_slices(target.split(".")[-2])[shard]
+
+    def _target(self, name: str) -> tuple[str, int | None]:
         for hf_part, ours, shard in self.stacked_params:
             if f".{hf_part}." in name:
-                return name.replace(f".{hf_part}.", f".{ours}."), self._shard_slices(ours)[shard]
+                return name.replace(f".{hf_part}.", f".{ours}."), shard
         return name, None
 
     @torch.no_grad()
@@ -214,14 +233,14 @@ class LlamaForCausalLM(nn.Module):
                 continue  # some old checkpoints saved HF's computed buffer; we compute our own
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the tied lm_head is the embedding itself
-            target, rows = self.hf_weight_location(name)
-            param = params.get(target)
-            if param is None:
+            target, shard = self._target(name)
+            if target not in params:
                 raise ValueError(f"checkpoint weight {name!r} has no matching parameter in {type(self).__name__}")
-            dst = param if rows is None else param[rows[0] : rows[1]]
-            if dst.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            module_name, _, param_name = target.rpartition(".")
+            try:  # this rank's slice of the tensor, or all of it for replicated parameters
+                load_parallel_weight(self.get_submodule(module_name), param_name, tensor, shard)
+            except ValueError as exc:
+                raise ValueError(f"weight {name!r}: {exc}") from None
             loaded.add(target)
         return loaded
 

@@ -1,0 +1,1 @@
+"""Tensor-parallel process groups and the communicator the parallel layers call."""
