@@ -77,7 +77,11 @@ class LoadBalancer:
         self.replicas = list(replicas)
         self._next = 0
 
-    def pick(self) -> Replica:
+    def pick(self, dp_rank: int | None = None) -> Replica:
+        """The replica of the next HTTP request; ``dp_rank`` forces one (the caller checked the range)."""
+        if dp_rank is not None:
+            self.replicas[dp_rank].assigned += 1
+            return self.replicas[dp_rank]
         n = len(self.replicas)
         order = [self.replicas[(self._next + i) % n] for i in range(n)]
         chosen = order[0] if self.method == "round_robin" else min(order, key=lambda r: r.in_flight)

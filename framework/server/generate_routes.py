@@ -96,7 +96,7 @@ async def generate(request: Request) -> Response:
     attach_bootstrap(subs, body)
     text_of = server.token_text if body.return_text_in_logprobs else None
     batch = not (single and len(subs) == 1)
-    group = await server.manager.submit(group_rid, subs)
+    group = await server.manager.submit(group_rid, subs, body.data_parallel_rank)
 
     if body.stream:
         # Events may queue up while the client reads; each renders the state as it is now, so

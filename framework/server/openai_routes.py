@@ -99,7 +99,7 @@ async def completions(request: Request) -> Response:
         echo = [t for t in texts for _ in range(n)]
     head = {"id": f"cmpl-{group_rid}", "object": "text_completion", "created": int(time.time()),
             "model": server.model_name}
-    group = await server.manager.submit(group_rid, subs)
+    group = await server.manager.submit(group_rid, subs, body.data_parallel_rank)
     if body.stream:
         return await released_on_error(server.manager, group, _stream_completion(
             request, server, group, head, n, lp_num is not None, echo, body))
@@ -193,7 +193,7 @@ async def chat_completions(request: Request) -> Response:
                                  top_logprobs_num=top or 0, priority=body.priority)
     attach_bootstrap(subs, body)
     head = {"id": f"chatcmpl-{group_rid}", "created": int(time.time()), "model": server.model_name}
-    group = await server.manager.submit(group_rid, subs)
+    group = await server.manager.submit(group_rid, subs, body.data_parallel_rank)
     if body.stream:
         return await released_on_error(server.manager, group, _stream_chat(
             request, server, group, head, bool(body.logprobs), body, plan))

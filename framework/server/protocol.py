@@ -71,6 +71,8 @@ class SGLangExtras(SGLangRequestFlags):
     structural_tag: str | dict[str, Any] | None = Field(default=None, description="SGLang's structural tag")
     priority: Int64 | None = Field(default=None, description="Scheduling priority; needs a policy that reads it "
                                    "(scheduler.policy=priority), else only null or 0 are accepted")
+    data_parallel_rank: Int64 | None = Field(default=None, description="Run on this data-parallel replica "
+                                             "(SGLang; sglang-router --dp-aware); default: the load balancer picks")
 
     def sglang_sampling(self) -> dict[str, Any]:
         return {
@@ -182,6 +184,8 @@ class GenerateRequest(StrictModel):
     custom_logit_processor: str | list[str | None] | None = None
     """SGLang's dill-serialized processor: always refused (see docs/api.md)."""
     priority: Int64 | None = None
+    data_parallel_rank: Int64 | None = None
+    """Run on this data-parallel replica (sglang-router ``--dp-aware`` sets it); default: the balancer picks."""
     rid: str | list[str] | None = None
     bootstrap_host: str | None = None
     bootstrap_port: Port | None = None

@@ -17,18 +17,17 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from framework.engine.request_state import RequestState
-from framework.sampling.params import SamplingParams
 from framework.server import ipc
 from framework.server.data_parallel import LoadBalancer, Replica, bind_replicas, combined_load
 from framework.server.errors import APIError
 from framework.server.metrics import ServerMetrics
+from framework.server.request_group import Event, RequestGroup, SubRequest
 
 logger = logging.getLogger("plugserve.server")
 
@@ -40,80 +39,6 @@ LOAD_REFRESH_TIMEOUT_S = 2.0
 
 class SchedulerStartError(RuntimeError):
     """The scheduler process reported that it could not start."""
-
-
-@dataclass
-class SubRequest:
-    """One scheduler request (n == 1) of an HTTP request."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
-    priority: int | None = None
-    token_ids_logprob: list[int] | None = None
-    """SGLang's ``token_ids_logprob``: report these ids' logprobs at every output position."""
-
-    def to_ipc(self) -> ipc.GenerateReq:
-        return ipc.GenerateReq(
-            rid=self.rid, input_ids=self.input_ids, sampling_params=self.params.to_dict(),
-            return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
-            logprob_start_len=self.logprob_start_len, bootstrap_host=self.bootstrap_host,
-            bootstrap_port=self.bootstrap_port, bootstrap_room=self.bootstrap_room,
-            priority=self.priority, token_ids_logprob=self.token_ids_logprob,
-        )
-
-
-@dataclass
-class Event:
-    """Request ``index`` of a group advanced: ``delta`` is its new text."""
-
-    index: int
-    delta: str
-    finished: bool
-
-
-class RequestGroup:
-    """The scheduler requests of one HTTP request; their events arrive on one queue."""
-
-    def __init__(self, rid: str, subs: list[SubRequest], states: list[RequestState], dp_rank: int = 0) -> None:
-        self.rid = rid
-        self.dp_rank = dp_rank
-        """The data-parallel replica that runs every request of the group."""
-        self.rids = [s.rid for s in subs]
-        self.states = states
-        self.queue: asyncio.Queue[Event | APIError] = asyncio.Queue()
-        self.error: APIError | None = None
-        self.closed = False
-
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or all(s.finished for s in self.states)
-
-    def fail(self, error: APIError) -> None:
-        if self.error is None:
-            self.error = error
-            self.queue.put_nowait(error)
-
-    async def next(self) -> Event:
-        """The next event; raises the group's :class:`APIError` if it failed."""
-        item = await self.queue.get()
-        if isinstance(item, APIError):
-            self.queue.put_nowait(item)  # every later call fails the same way
-            raise item
-        return item
-
-    async def wait(self) -> None:
-        """Until every request finished (raises on failure)."""
-        while not self.finished:
-            await self.next()
-        if self.error is not None:
-            raise self.error
 
 
 class TokenizerManager:
@@ -224,9 +149,13 @@ class TokenizerManager:
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def submit(self, group_rid: str, subs: list[SubRequest]) -> RequestGroup:
-        """Send the scheduler requests of one HTTP request; their deltas arrive on the group."""
+    async def submit(self, group_rid: str, subs: list[SubRequest], dp_rank: int | None = None) -> RequestGroup:
+        """Send the scheduler requests of one HTTP request (to replica ``dp_rank``, or the one the
+        balancer picks); their deltas arrive on the group."""
         self._check_alive()
+        if dp_rank is not None and not 0 <= dp_rank < len(self.replicas):
+            raise APIError(400, f"data_parallel_rank {dp_rank} is out of range: this server runs "
+                           f"{len(self.replicas)} replica(s), 0..{len(self.replicas) - 1}", param="data_parallel_rank")
         for rid in [group_rid, *(s.rid for s in subs)]:
             if rid in self._groups or rid in self._routes:
                 raise APIError(400, f"request id {rid!r} is already in use", param="rid", code="duplicate_rid")
@@ -235,7 +164,7 @@ class TokenizerManager:
         message = ipc.encode(ipc.GenerateBatch(reqs=[s.to_ipc() for s in subs]))
         states = [RequestState(s.rid, self.tokenizer, s.input_ids, s.params, s.return_logprob,
                                s.token_ids_logprob) for s in subs]
-        replica = self.balancer.pick()
+        replica = self.balancer.pick(dp_rank)
         group = RequestGroup(group_rid, subs, states, replica.dp_rank)
         self._groups[group_rid] = group
         for i, s in enumerate(subs):

@@ -195,3 +195,28 @@ def test_sglang_router_regular_mode_fronts_plugserve(workers, workload, tmp_path
             assert sum(after) > sum(before)
     finally:
         router.stop(timeout=20)
+
+
+def test_sglang_router_dp_aware_reaches_each_replica(tiny_model, workload, tmp_path) -> None:
+    """sglang-router's ``--dp-aware`` reads ``dp_size`` from /server_info, registers one worker per
+    replica and sends ``data_parallel_rank``: both replicas of a dp 2 server get work."""
+    exe = sglang_router_python()
+    if exe is None:
+        pytest.skip("sglang_router is not importable here and $SGLANG_ROUTER_PYTHON names no interpreter that has "
+                    "it (pip install sglang-router==0.3.2 into a separate venv)")
+    server = start_server(tmp_path, [f"model.path={tiny_model}", *KV, "parallel.dp_size=2"])
+    port = free_port()
+    router = spawn(["--worker-urls", server.url, "--dp-aware", "--host", "127.0.0.1", "--port", str(port),
+                    "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                   tmp_path / "sglang-router-dp.log", port, exe=[exe, "-m", "sglang_router.launch_router"])
+    try:
+        registered = wait_for_workers(router.url, 2)
+        assert sorted(w["url"] for w in registered["workers"]) == [f"{server.url}@0", f"{server.url}@1"], registered
+        before = [e["prompt_tokens_seen"] for e in httpx.get(f"{server.url}/get_load", timeout=30).json()]
+        run_workload(router.url, workload, "sglang-router --dp-aware")
+        after = [e["prompt_tokens_seen"] for e in httpx.get(f"{server.url}/get_load", timeout=30).json()]
+        assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+        assert_no_leak(server)
+    finally:
+        router.stop(timeout=20)
+        server.stop()

@@ -133,6 +133,25 @@ def test_greedy_outputs_equal_the_engine_and_both_replicas_work(dp_server: Serve
     assert_no_leak(dp_server)
 
 
+def test_data_parallel_rank_picks_the_replica(dp_server: Server, tiny_model: Path) -> None:
+    """SGLang's ``data_parallel_rank`` (what sglang-router --dp-aware sends) overrides the balancer."""
+    expected = _engine_outputs(tiny_model, PROMPTS[:1])[0]
+    for rank in (1, 1, 0):
+        before = [entry["prompt_tokens_seen"] for entry in _loads(dp_server)]
+        body = {"text": PROMPTS[0], "sampling_params": GREEDY, "data_parallel_rank": rank}
+        r = httpx.post(f"{dp_server.url}/generate", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["output_ids"] == expected, r.text
+        after = [entry["prompt_tokens_seen"] for entry in _loads(dp_server)]
+        assert [a > b for a, b in zip(after, before, strict=True)] == [rank == 0, rank == 1], (rank, before, after)
+    chat = httpx.post(f"{dp_server.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "data_parallel_rank": 1})
+    assert chat.status_code == 200, chat.text
+    bad = httpx.post(f"{dp_server.url}/v1/completions", timeout=60, json={
+        "model": "tiny-llama", "prompt": "x", "max_tokens": 2, "data_parallel_rank": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "data_parallel_rank", bad.text
+
+
 def test_flush_abort_and_metrics_cover_every_replica(dp_server: Server) -> None:
     admin = dp_server.headers(admin=True)
     events: list[list] = [[], []]
