@@ -17,10 +17,10 @@ and it also watches its parent's pid, so no rank outlives the group.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -110,16 +110,37 @@ def write_config(settings: Any) -> str:
     return path
 
 
+class RankProcess:
+    """One follower rank's process (a fresh interpreter, like multiprocessing's spawn, but started
+    with subprocess: the server's scheduler process is a daemon, and daemons may not use
+    multiprocessing children)."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.popen = subprocess.Popen([sys.executable, "-m", "framework.engine.tensor_parallel", *args])
+        self.pid = self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+
+
 def spawn_followers(settings: Any, config_path: str, host: str, port: int, ranks: list[int]) -> FollowerProcesses:
     """Start one process per rank in ``ranks`` (never rank 0's own)."""
-    ctx = mp.get_context("spawn")
     log_level = getattr(settings.server, "log_level", "warning")
-    procs = {}
-    for rank in ranks:
-        proc = ctx.Process(target=follower_main, args=(config_path, rank, host, port, os.getpid(), log_level),
-                           name=f"plugserve-tp{rank}", daemon=True)
-        proc.start()
-        procs[rank] = proc
+    procs = {rank: RankProcess([config_path, str(rank), host, str(port), str(os.getpid()), log_level])
+             for rank in ranks}
     return FollowerProcesses(procs)
 
 
@@ -183,3 +204,8 @@ def run_node_followers(settings: Any, config_path: str) -> int:
         proc.join()
         codes.append(proc.exitcode)
     return 0 if all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":
+    _config, _rank, _host, _port, _parent, _level = sys.argv[1:7]
+    follower_main(_config, int(_rank), _host, int(_port), int(_parent), _level)

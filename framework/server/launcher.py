@@ -78,6 +78,8 @@ def serve(cfg: DictConfig) -> int:
     settings = to_settings(cfg)
     level = settings.server.log_level.upper()
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s [http] %(levelname)s %(name)s: %(message)s")
+    if settings.parallel.node_rank > 0:
+        return _serve_follower_node(cfg, settings)
     try:
         sock = _bind(settings.server.host, settings.server.port)
     except OSError as exc:
@@ -85,6 +87,17 @@ def serve(cfg: DictConfig) -> int:
         return EXIT_FAILED
     with sock, tempfile.TemporaryDirectory(prefix="plugserve-") as run_dir:
         return asyncio.run(_serve(cfg, settings, sock, run_dir))
+
+
+def _serve_follower_node(cfg: DictConfig, settings: PlugserveConfig) -> int:
+    """``parallel.node_rank > 0``: no HTTP server here, only this host's tensor-parallel ranks,
+    which join node 0's group at ``parallel.dist_init_addr`` and follow its rank 0."""
+    from framework.engine.tensor_parallel import run_node_followers
+
+    logger.info("node %d of %d: running tensor-parallel ranks for %s", settings.parallel.node_rank,
+                settings.parallel.nnodes, settings.parallel.dist_init_addr)
+    with tempfile.TemporaryDirectory(prefix="plugserve-node-") as run_dir:
+        return run_node_followers(settings, _write_child_config(cfg, run_dir))
 
 
 async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket, run_dir: str) -> int:

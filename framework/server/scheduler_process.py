@@ -173,10 +173,19 @@ class SchedulerLoop:
                 "model": self.runner.describe(),
                 "num_requests": len(self.scheduler.requests),
                 "scheduler_pid": os.getpid(),
+                "tp_ranks": self._tp_ranks(),
             }
         raise ValueError(f"unknown control call {kind!r}; known: {', '.join(ipc.CONTROL_KINDS)}")
 
     # -- one step, isolated ------------------------------------------------------------------
+
+    def _tp_ranks(self) -> dict[str, int]:
+        """Tensor-parallel rank -> pid on this host (rank 0 is this process)."""
+        followers = getattr(self.scheduler, "followers", None)
+        ranks = {"0": os.getpid()}
+        if followers is not None:
+            ranks.update({str(rank): proc.pid for rank, proc in followers.procs.items()})
+        return ranks
 
     def _check_ranks(self) -> None:
         """With tensor parallelism: raise (and so stop the process) when a follower rank is gone."""
