@@ -129,6 +129,10 @@ class IncrementalDetokenizer:
         blank = {i for i in new if self._is_blank(self._ids[i])}
         if not blank:
             return
+        # Only behind text of their own: at the very start, a decoder may strip what comes first
+        # (SentencePiece's leading space), so a token that adds nothing there may add text later.
+        if not self._context_text and not self._decode(self._ids[: min(blank)]):
+            return
         kept = [t for i, t in enumerate(self._ids) if i not in blank]
         if self._decode(kept) == full_text:
             self._ids = kept
@@ -146,7 +150,14 @@ class IncrementalDetokenizer:
         the split decode (they end a character or were invalid), so later tokens cannot change
         them. If no split among the tried ones is safe (a decoder that is not byte-local), the
         whole held text is emitted, as a flush would: the bound wins over exactness there.
+
+        Held tokens that add no text at all (ones :meth:`_drop_blank` could not check, behind a
+        context without text) are dropped instead, and the context stays: a SentencePiece decoder
+        strips the first space of what it decodes, so the context must keep its first word.
         """
+        if full_text == prefix_text and not prefix_text.endswith(REPLACEMENT_CHAR):
+            del self._ids[self._read_offset :]
+            return ""
         for keep in range(MIN_KEPT_TOKENS, MIN_KEPT_TOKENS + RELEASE_SPLIT_TRIES):
             split = len(self._ids) - keep
             if split <= self._read_offset:

@@ -292,3 +292,26 @@ def test_long_runs_still_equal_full_decode(
     ids = [t for token, n in runs for t in [token] * n] + text + [t for token, n in runs[:1] for t in [token] * n]
     detok = IncrementalDetokenizer(TOKENIZER, skip_special_tokens=skip_special)
     assert "".join(_stream(detok, ids, chunks)) == TOKENIZER.decode(ids, skip_special_tokens=skip_special)
+
+
+def _sentencepiece_like() -> PreTrainedTokenizerFast:
+    """Metaspace ("▁" for a space) with the leading space of the decoded text stripped, as the
+    Llama 2 / Mistral tokenizers do: a lone "▁" decodes to "" but to " " after other text."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"], show_progress=False)
+    tok.train_from_iterator(SENTENCES * 3, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("run", [2, 40, 400])
+def test_word_start_marker_before_a_long_blank_run_keeps_its_space(run: int) -> None:
+    sp = _sentencepiece_like()
+    space, oov = sp.convert_tokens_to_ids("▁"), len(sp) + 1
+    assert sp.decode([space]) == "" and sp.decode([space, space]) == " "
+    ids = [space] * 3 + [oov] * run + sp.encode(" hello world", add_special_tokens=False) + [space, sp.eos_token_id]
+    for prompt in (None, sp.encode("wörld", add_special_tokens=False)):
+        got = "".join(_stream(IncrementalDetokenizer(sp, prompt), ids, [1]))
+        full = sp.decode((prompt or []) + ids, skip_special_tokens=True)
+        assert got == full[len(sp.decode(prompt or [], skip_special_tokens=True)) :], (prompt, got)
