@@ -44,6 +44,7 @@ def add_bench_commands(sub: Any) -> None:
     from framework.bench.plot import add_plot_command
     from framework.bench.rl import add_rl_command
     from framework.bench.serving import add_serve_command
+    from framework.bench.tp import add_tp_command
     from framework.bench.transfer import add_transfer_command
 
     add_serve_command(bench_sub, output_args)
@@ -51,6 +52,7 @@ def add_bench_commands(sub: Any) -> None:
     add_transfer_command(bench_sub, output_args)
     add_pd_command(bench_sub, common)
     add_rl_command(bench_sub, common)
+    add_tp_command(bench_sub, common)
     add_membw_commands(bench_sub, common, output_args)
     _add_entry_point_commands(bench_sub, common)
 

@@ -14,11 +14,28 @@ from __future__ import annotations
 import torch
 
 
+class CollectiveStats:
+    """Calls and seconds spent per collective in this process (what ``bench tp`` reports)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def snapshot(self) -> dict[str, tuple[int, float]]:
+        return {name: (self.calls[name], self.seconds[name]) for name in self.calls}
+
+
 class Communicator:
     """Collectives over the ranks of one tensor-parallel group (see the module docstring)."""
 
     rank: int = 0
     size: int = 1
+    stats: CollectiveStats | None = None
+    """Per-collective counters, for implementations that keep them (the built-in one does)."""
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it."""

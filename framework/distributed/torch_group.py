@@ -10,12 +10,13 @@ trainer that has its own.
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from framework.distributed.communicator import Communicator
+from framework.distributed.communicator import CollectiveStats, Communicator
 
 
 class TorchGroupCommunicator(Communicator):
@@ -24,6 +25,7 @@ class TorchGroupCommunicator(Communicator):
     def __init__(self, addr: str, port: int, rank: int, size: int, device: torch.device,
                  timeout_s: float, name: str = "tp") -> None:
         self.rank, self.size, self.device = rank, size, device
+        self.stats = CollectiveStats()
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(addr, int(port), size, is_master=rank == 0, timeout=timeout)
         cpu_store = dist.PrefixStore(f"{name}/cpu", self.store)
@@ -35,16 +37,26 @@ class TorchGroupCommunicator(Communicator):
                                                       timeout)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         self.device_group.allreduce([tensor]).wait()
+        self.stats.add("all_reduce", time.perf_counter() - start)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        start = time.perf_counter()
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self.device_group.allgather([parts], [tensor]).wait()
+        self.stats.add("all_gather", time.perf_counter() - start)
         return torch.cat(parts, dim=dim)
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        start = time.perf_counter()
+        out = self._broadcast_bytes(data, src)
+        self.stats.add("broadcast_bytes", time.perf_counter() - start)
+        return out
+
+    def _broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
         length = torch.tensor([len(data) if self.rank == src and data is not None else 0], dtype=torch.int64)
         self.cpu_group.broadcast(length, src).wait()
         n = int(length.item())
