@@ -45,13 +45,19 @@ async def health(request: Request) -> Response:
 
 
 async def health_generate(request: Request) -> Response:
-    """Generate one token end to end (tokenizer manager, IPC, scheduler, model)."""
+    """Generate one token end to end (tokenizer manager, IPC, scheduler, model) on every
+    data-parallel replica."""
     server = _server(request)
     require_bearer(request, server.api_key)
+    await asyncio.gather(*(_generate_one_token(server, r.dp_rank) for r in server.manager.replicas))
+    return JSONResponse({"status": "ok"})
+
+
+async def _generate_one_token(server: ServerState, dp_rank: int) -> None:
     rid = f"health-{new_rid()}"
     first = int((server.model_info.get("eos_token_ids") or [0])[0])
     sub = SubRequest(rid=rid, input_ids=[first], params=SamplingParams(max_new_tokens=1, temperature=0.0))
-    group = await server.manager.submit(rid, [sub])
+    group = await server.manager.submit(rid, [sub], dp_rank)
     timeout = server.settings.server.health_check_timeout_s
     try:
         await asyncio.wait_for(group.wait(), timeout)
@@ -60,8 +66,8 @@ async def health_generate(request: Request) -> Response:
     finally:
         await server.manager.close_group(group)
     if group.states[0].error or not group.states[0].output_ids:
-        raise APIError(503, f"health check failed: {group.states[0].error}", code="unhealthy")
-    return JSONResponse({"status": "ok"})
+        where = f" (dp rank {dp_rank})" if len(server.manager.replicas) > 1 else ""
+        raise APIError(503, f"health check failed{where}: {group.states[0].error}", code="unhealthy")
 
 
 async def model_info(request: Request) -> Response:

@@ -71,7 +71,12 @@ class TokenizerManager:
     async def wait_ready(self) -> dict[str, Any]:
         """Wait for every replica's Ready message (returns replica 0's info); raises
         SchedulerStartError if one failed."""
-        await asyncio.gather(*(self._wait_replica_ready(r) for r in self.replicas))
+        waits = [asyncio.ensure_future(self._wait_replica_ready(r)) for r in self.replicas]
+        try:
+            await asyncio.gather(*waits)
+        finally:  # one replica failed (or the launcher gave up): stop reading the others' sockets
+            for wait in waits:
+                wait.cancel()
         self.info = self.replicas[0].info
         return self.info
 

@@ -186,12 +186,25 @@ def test_flush_abort_and_metrics_cover_every_replica(dp_server: Server) -> None:
     assert evictable == [0, 0]
 
 
-def test_weight_update_reaches_every_replica(dp_server: Server, tiny_model: Path,
-                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama's architecture with other random weights (a weight update's target)."""
     from framework.testing.tiny_models import save_tiny_model
 
+    return save_tiny_model(tmp_path_factory.mktemp("dp-v1") / "v1", seed=1)
+
+
+def test_health_generate_runs_on_every_replica(dp_server: Server) -> None:
+    before = [entry["prompt_tokens_seen"] for entry in _loads(dp_server)]
+    r = httpx.get(f"{dp_server.url}/health_generate", timeout=60)
+    assert r.status_code == 200, r.text
+    after = [entry["prompt_tokens_seen"] for entry in _loads(dp_server)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
+
+
+def test_weight_update_reaches_every_replica(dp_server: Server, tiny_model: Path, other_model: Path) -> None:
     admin = dp_server.headers(admin=True)
-    other = save_tiny_model(tmp_path_factory.mktemp("dp-v1") / "v1", seed=1)
+    other = other_model
     missing = httpx.post(f"{dp_server.url}/update_weights_from_disk", headers=admin, timeout=60,
                          json={"model_path": str(other.parent / "missing")})
     assert missing.status_code >= 400 and "dp rank 0" in missing.json()["error"]["message"], missing.text
@@ -246,3 +259,46 @@ def test_a_dead_replica_takes_the_server_down(tiny_model: Path, tmp_path_factory
         assert _gone(pids[0]), f"replica 0 ({pids[0]}) outlived the server"
     finally:
         server.stop()
+
+
+def test_trainer_broadcast_reaches_every_replica(dp_server: Server, tiny_model: Path, other_model: Path) -> None:
+    """A trainer (this process, rank 0) and both replicas in one gloo group of 3: replica d joins
+    as rank_offset + d, and one broadcast updates both."""
+    import concurrent.futures as cf
+
+    from safetensors.torch import load_file
+
+    from framework.executor.weight_sync import WeightUpdateGroup
+    from tests.server.conftest import free_port
+
+    admin = dp_server.headers(admin=True)
+    port = free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
+            "group_name": "dp-rl", "backend": "gloo"}
+    with cf.ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(httpx.post, f"{dp_server.url}/init_weights_update_group", json=init, headers=admin,
+                             timeout=120)
+        group = WeightUpdateGroup("127.0.0.1", port, 0, 3, "dp-rl", "gloo", timeout_s=120)
+        assert joined.result().status_code == 200, joined.result().text
+    try:
+        state = load_file(str(other_model / "model.safetensors"))
+        names = sorted(state)
+        body = {"names": names, "dtypes": [str(state[n].dtype).removeprefix("torch.") for n in names],
+                "shapes": [list(state[n].shape) for n in names], "group_name": "dp-rl"}
+        with cf.ThreadPoolExecutor(1) as pool:  # the route answers once both replicas received it
+            call = pool.submit(httpx.post, f"{dp_server.url}/update_weights_from_distributed", json=body,
+                               headers=admin, timeout=120)
+            group.broadcast([state[n] for n in names], src=0)
+            assert call.result().status_code == 200, call.result().text
+        expected = _engine_outputs(other_model, PROMPTS[:4])
+        for rank in (0, 1):  # each replica, by data_parallel_rank
+            for prompt, want in zip(PROMPTS[:4], expected, strict=True):
+                body = {"text": prompt, "sampling_params": GREEDY, "data_parallel_rank": rank}
+                assert httpx.post(f"{dp_server.url}/generate", json=body, timeout=60).json()["output_ids"] == want
+    finally:
+        httpx.post(f"{dp_server.url}/destroy_weights_update_group", json={"group_name": "dp-rl"}, headers=admin,
+                   timeout=60)
+        group.close()
+        back = httpx.post(f"{dp_server.url}/update_weights_from_disk", headers=admin, timeout=120,
+                          json={"model_path": str(tiny_model)})
+        assert back.status_code == 200, back.text
