@@ -19,8 +19,9 @@ REPLACEMENT_CHAR = "\ufffd"
 """What tokenizers decode an incomplete or invalid UTF-8 sequence to."""
 
 PROMPT_CONTEXT_TOKENS = 5
-"""Prompt tokens kept as decoding context. SentencePiece needs one to keep the first output
-token's leading space; a few more cover a multi-byte character split across prompt tokens."""
+"""Tokens kept as decoding context: of the prompt at the start, of the emitted text after.
+SentencePiece needs one to keep the next token's leading space; a few more cover a multi-byte
+character split across prompt tokens."""
 
 MAX_HELD_TOKENS = 32
 """Tokens held back (decoded but not yet emitted) before the detokenizer stops waiting for the
