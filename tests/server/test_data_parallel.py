@@ -96,6 +96,9 @@ def dp_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield server
         assert server.proc.poll() is None, f"the server died:\n{server.log_text()}"
         assert_no_leak(server)
+        pids = [r["scheduler_pid"] for r in replicas(httpx.get(f"{server.url}/server_info", timeout=30).json())]
+        assert server.stop() == 0, server.log_text()  # SIGTERM: a clean stop of every replica
+        assert all(_gone(pid) for pid in pids), f"a scheduler of {pids} outlived the server"
     finally:
         server.stop()
 
