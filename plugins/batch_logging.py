@@ -27,11 +27,11 @@ class BatchLogger:
     @hookimpl
     def on_batch_scheduled(self, batch: BatchStats) -> None:
         """Log each prefill batch."""
-        if batch.mode == "prefill" and logger.isEnabledFor(logging.INFO):
+        if batch.mode in ("prefill", "mixed") and logger.isEnabledFor(logging.INFO):
             logger.info(
-                "prefill batch: #req %d, #new-token %d, #cached-token %d, kv usage %.2f, "
+                "%s batch: #req %d, #new-token %d, #cached-token %d, kv usage %.2f, "
                 "#running %d, #queue %d",
-                batch.num_requests, batch.num_new_tokens, batch.num_cached_tokens,
+                batch.mode, batch.num_requests, batch.num_new_tokens, batch.num_cached_tokens,
                 batch.kv_usage, batch.num_running, batch.num_waiting,
             )
 

@@ -99,6 +99,9 @@ def resolve_cuda_graph_enabled(enabled: bool | None, device_type: str, backend_n
 
 def check_section_combinations(cfg: DictConfig) -> None:
     """Combinations that no single key's check can see (no plugin needed)."""
+    if cfg.scheduler.mixed_chunk and (cfg.scheduler.overlap or _mode(cfg) is not None):
+        raise ConfigError("scheduler.mixed_chunk: mixed steps run in the synchronous loop of a unified server; "
+                          "set scheduler.overlap=false and leave disaggregation.mode unset, or mixed_chunk=false")
     if cfg.scheduler.overlap and _mode(cfg) is not None:
         raise ConfigError("scheduler.overlap: the overlap loop is not supported with disaggregation.mode "
                           f"{_mode(cfg)!r} yet; set scheduler.overlap=false")

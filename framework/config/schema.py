@@ -179,6 +179,11 @@ class SchedulerConfig:
     prefix cache instead of computing the same prefix twice. 0 disables the check."""
     overlap: bool = False
     """Schedule step N+1 while step N's forward runs (outputs are identical)."""
+    mixed_chunk: bool = False
+    """Mixed steps: a prefill (chunk) and the running requests' decode rows share one forward, so
+    running streams keep producing tokens while a newcomer prefills (SGLang's
+    ``--enable-mixed-chunk``); ``max_prefill_tokens`` then counts the decode rows too. Outputs are
+    identical. Not with ``overlap`` or disaggregation (a config error)."""
     stream_interval: int = 1
     """Send streamed tokens every this many decode steps."""
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from framework.scheduler.mixed import run_mixed
+
 if TYPE_CHECKING:
     from framework.scheduler.request import Req
     from framework.scheduler.scheduler import Scheduler
@@ -46,14 +48,17 @@ class StepLoop:
 
 
 class SyncLoop(StepLoop):
-    """One batch per step: the PD side's transfers, then a prefill batch if one can be formed,
-    else a decode step of the running batch."""
+    """One batch per step: the PD side's transfers, then a prefill batch if one can be formed
+    (with the running requests' decode rows in it when ``scheduler.mixed_chunk`` is on), else a
+    decode step of the running batch."""
 
     def step(self) -> None:
         s = self.sched
         if s.pd is not None:
             s.pd.step()
         plan = s.plan_prefill()
+        if plan.reqs and s.running and s.cfg.mixed_chunk and run_mixed(s, plan.reqs, plan.chunked):
+            return
         ran_prefill = bool(plan.reqs) and s.run_prefill(plan.reqs, plan.chunked)
         if not ran_prefill and s.running:
             s.run_decode()

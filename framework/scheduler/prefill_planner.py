@@ -65,12 +65,13 @@ class PrefillPlanner:
         return -(-extend // page) * page
 
     def plan(
-        self, waiting: list[Req], running: list[Req], chunked: Req | None, ratio: float
+        self, waiting: list[Req], running: list[Req], chunked: Req | None, ratio: float, decode_rows: int = 0
     ) -> PrefillPlan:
+        """``decode_rows``: tokens of the step's budget that running requests take (mixed steps)."""
         cfg = self.cfg
         clip = cfg.clip_max_new_tokens_estimation
         chunk_cap = cfg.chunked_prefill_size or (1 << 62)
-        rem_input = cfg.max_prefill_tokens
+        rem_input = max(cfg.max_prefill_tokens - decode_rows, 1)
         running_reserve = reserved_decode_tokens(running, ratio, clip)
         admitted_cost = 0
         plan = PrefillPlan()

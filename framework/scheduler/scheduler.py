@@ -13,7 +13,7 @@ Public API, for the loops (``framework.scheduler.loops``, ``overlap``) and the P
 - state: ``waiting``, ``running``, ``chunked``, ``requests``, ``kv`` (the :class:`KVManager`),
   ``runner``, ``settings``, ``cfg``, ``context_len``, ``tokenizer``, ``hook``, ``pd``;
 - batches: ``plan_prefill``, ``run_prefill``, ``run_decode``, ``batch_stats``,
-  ``decay_new_token_ratio``;
+  ``decay_new_token_ratio``, ``finish_scoring_only``, ``retract``, ``retract_all``;
 - sampling: ``sampling_inputs``, ``sample_tensors``, ``sample``, ``apply_samples``;
 - request life: ``add_request`` (admit), ``start_decoding``, ``emit``, ``finish``, ``abort``.
 """
@@ -259,7 +259,9 @@ class Scheduler:
     def plan_prefill(self) -> PrefillPlan:
         """The next prefill batch the waiting queue and the chunked request allow (maybe empty)."""
         waiting = [] if self.hold_admission else self.waiting
-        return self.planner.plan(waiting, self.running, self.chunked, self.new_token_ratio)
+        # A mixed step's decode rows come out of the same token budget.
+        decode_rows = len(self.running) if self.cfg.mixed_chunk else 0
+        return self.planner.plan(waiting, self.running, self.chunked, self.new_token_ratio, decode_rows)
 
     def run_prefill(self, reqs: list[Req], chunked: Req | None) -> bool:
         """Prefill ``reqs``; False if not even one of them could get KV (decode runs instead)."""
@@ -292,14 +294,14 @@ class Scheduler:
                 r.extend_len = 0
             self.kv.cache_prefix(r)  # later arrivals can share this prompt while it still runs
         record_prompt_logprobs(reqs, logits, plan)
-        sample_reqs, sample_rows = self._finish_scoring_only(plan)
+        sample_reqs, sample_rows = self.finish_scoring_only(plan)
         if sample_reqs and not (self.pd is not None and self.pd.on_prefilled(sample_reqs, logits[sample_rows])):
             self.apply_samples(sample_reqs, self.sample(sample_reqs, logits[sample_rows]))
             self.running.extend(r for r in sample_reqs if not r.finished)
         self.hook.on_batch_finished(batch=stats, elapsed_s=time.perf_counter() - start)
         return True
 
-    def _finish_scoring_only(self, plan: LogitsPlan) -> tuple[list[Req], list[int]]:
+    def finish_scoring_only(self, plan: LogitsPlan) -> tuple[list[Req], list[int]]:
         """Requests with ``max_new_tokens == 0`` (prompt logprobs only, SGLang's scoring use)
         finish after their prefill without a token; the others, and their logits rows, sample."""
         if all(r.sampling_params.max_new_tokens > 0 for r in plan.sample_reqs):

@@ -10,7 +10,7 @@ class BatchStats:
     """A batch about to run (``on_batch_scheduled``) or just finished (``on_batch_finished``)."""
 
     mode: str
-    """"prefill" or "decode"."""
+    """"prefill", "decode" or "mixed" (a prefill with the running requests' decode rows in it)."""
     num_requests: int
     num_new_tokens: int
     """Tokens computed by this forward."""

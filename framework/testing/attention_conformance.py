@@ -24,7 +24,9 @@ the request table names. The scenarios:
 - ``prefix``: extends on top of cached prefixes (mixed with a fresh prompt in the same batch), a
   request that starts with another one's pages (a radix-cache hit), then a further chunk on top;
 - ``decode``: mixed context lengths (1 .. 63), several steps across page boundaries, then a
-  reordered subset of the requests.
+  reordered subset of the requests;
+- ``mixed``: a mixed step (``scheduler.mixed_chunk``): running requests' one-token decode rows in
+  the same extend batch as a fresh prompt's chunk and a continuing chunk, twice.
 
 over a grid of page sizes (1, 16), GQA ratios (1, 4, 8), head dims (64, 128) and dtypes (float32
 plus the half types the device supports), each with its own tolerance.
@@ -46,7 +48,7 @@ from framework.attention.base import Attention, AttentionBackend
 from framework.executor.forward_batch import ForwardBatch, ForwardMode
 from framework.memory.kv_cache import KVCache
 
-SCENARIOS = ("extend", "prefix", "decode")
+SCENARIOS = ("extend", "prefix", "decode", "mixed")
 PAGE_SIZES = (1, 16)
 #: (num_heads, num_kv_heads): GQA ratios 1, 4 and 8, always with two KV heads so head mapping matters.
 HEAD_LAYOUTS = ((2, 2), (8, 2), (16, 2))
@@ -318,6 +320,14 @@ def _run_scenario(hx: _Harness, scenario: str) -> None:
         for _ in range(3):  # the 16 and 63 contexts cross a page boundary here
             hx.step(decode, rows, [1] * len(rows))
         hx.step(decode, [rows[3], rows[0]], [1, 1])  # a reordered subset
+    elif scenario == "mixed":
+        running = [hx.new_request() for _ in range(3)]
+        hx.step(extend, running, [15, 16, 40], check=False)
+        fresh, chunked = hx.new_request(), hx.new_request()
+        hx.step(extend, [chunked], [10], check=False)
+        # decode rows (one token on long contexts) beside a new prompt and a prefix chunk
+        hx.step(extend, [*running, fresh, chunked], [1, 1, 1, 24, 17])
+        hx.step(extend, [running[2], chunked, running[0]], [1, 6, 1])
     else:
         raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
 

@@ -137,6 +137,11 @@ SCHEDULER_VARIANTS = {
     "small_prefill_budget": ["scheduler.max_prefill_tokens=16"],
     "overlap": ["scheduler.overlap=true"],
     "overlap_chunked_page16": ["scheduler.overlap=true", "scheduler.chunked_prefill_size=8", "kv_cache.page_size=16"],
+    # Mixed steps: the second wave prefills in chunks inside the first wave's decode steps.
+    "mixed_chunked": ["scheduler.mixed_chunk=true", "scheduler.chunked_prefill_size=8"],
+    "mixed_page16": ["scheduler.mixed_chunk=true", "kv_cache.page_size=16", "scheduler.max_prefill_tokens=24"],
+    "torch_native_mixed": ["attention.backend=torch_native", "scheduler.mixed_chunk=true",
+                           "scheduler.chunked_prefill_size=8"],
     # The CPU defaults are the cpu_paged backend and oneDNN-packed linears; the reference paths too:
     "torch_native_aten": ["attention.backend=torch_native", "device.cpu_linear=aten"],
     "torch_native_page16": ["attention.backend=torch_native", "kv_cache.page_size=16"],
@@ -312,3 +317,25 @@ def test_abort_frees_everything(llama, make_engine, overlap):
     assert eng._states[rids[0]].finish_reason["type"] == "abort"
     for r in rids:
         eng._states.pop(r)
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_native"])
+def test_mixed_steps_run_and_keep_outputs(cases, make_engine, register_plugin, backend):
+    """With ``scheduler.mixed_chunk`` the newcomers' prefill chunks share forwards with the running
+    requests' decode rows (the batch hooks see ``mixed`` batches), and the tokens stay transformers'."""
+    from framework.hookspecs import hookimpl
+
+    modes: list[tuple[str, int]] = []
+
+    class Watch:
+        @hookimpl
+        def on_batch_scheduled(self, batch):
+            modes.append((batch.mode, batch.num_running))
+
+    register_plugin(Watch(), "watch-batches")
+    _, path, _, prompts, expected = cases.get("llama_gqa")
+    eng = make_engine(path, f"attention.backend={backend}", "scheduler.mixed_chunk=true",
+                      "scheduler.chunked_prefill_size=8")
+    assert run_staggered(eng, prompts) == expected
+    mixed = [running for mode, running in modes if mode == "mixed"]
+    assert mixed and max(mixed) >= 2, modes
