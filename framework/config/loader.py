@@ -180,6 +180,8 @@ def _check_values(cfg: DictConfig) -> None:
         ("parallel.dist_init_addr", cfg.parallel.nnodes == 1 or _host_port(cfg.parallel.dist_init_addr),
          "host:port of the node-0 rendezvous when parallel.nnodes > 1"),
         ("parallel.dist_timeout_s", cfg.parallel.dist_timeout_s > 0, "> 0"),
+        ("parallel.dist_init_addr", cfg.parallel.dp_size == 1 or cfg.parallel.dist_init_addr is None,
+         "null with parallel.dp_size > 1 (each replica's ranks meet at a port of their own on this host)"),
         ("cuda_graph.max_batch_size", cfg.cuda_graph.max_batch_size >= 1, ">= 1"),
         ("cuda_graph.num_warmup_runs", cfg.cuda_graph.num_warmup_runs >= 1, ">= 1"),
         (

@@ -18,6 +18,7 @@ from framework.errors import ConfigError
     (["parallel.tp_size=2", "parallel.nnodes=2", "parallel.node_rank=2", "parallel.dist_init_addr=h:1"],
      "parallel.node_rank"),
     (["parallel.communicator=mpi"], "parallel.communicator"),
+    (["parallel.dp_size=2", "parallel.dist_init_addr=h:1"], "parallel.dist_init_addr"),
 ])
 def test_bad_parallel_settings_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
