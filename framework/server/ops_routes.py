@@ -90,8 +90,9 @@ async def _control_all(server: ServerState, kind: str) -> list[dict[str, Any]]:
 
 
 def _replica_entry(rank: int, data: dict[str, Any], in_flight: int) -> dict[str, Any]:
-    return {"dp_rank": rank, "scheduler_pid": data.get("scheduler_pid"), "num_requests": data.get("num_requests"),
-            "http_in_flight": in_flight, "load": data.get("load"), "leak_report": data.get("leak_report")}
+    return {"dp_rank": rank, "scheduler_pid": data.get("scheduler_pid"), "tp_ranks": data.get("tp_ranks"),
+            "num_requests": data.get("num_requests"), "http_in_flight": in_flight, "load": data.get("load"),
+            "leak_report": data.get("leak_report")}
 
 
 async def server_info(request: Request) -> Response:

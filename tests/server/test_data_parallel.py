@@ -305,3 +305,22 @@ def test_trainer_broadcast_reaches_every_replica(dp_server: Server, tiny_model: 
         back = httpx.post(f"{dp_server.url}/update_weights_from_disk", headers=admin, timeout=120,
                           json={"model_path": str(tiny_model)})
         assert back.status_code == 200, back.text
+
+
+def test_dp2_with_tp2_equals_the_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two replicas of two tensor-parallel ranks each (four scheduler processes): each replica's
+    rendezvous is its own, greedy tokens equal the single-rank Engine's, and SIGTERM stops all."""
+    server = start_server(tmp_path_factory.mktemp("dp2-tp2"), [
+        f"model.path={tiny_model}", "kv_cache.max_total_tokens=2048", "parallel.dp_size=2", "parallel.tp_size=2"])
+    try:
+        info = httpx.get(f"{server.url}/server_info", timeout=30).json()
+        pids = [pid for r in info["dp"] for pid in r["tp_ranks"].values()]
+        assert len(set(pids)) == 4, info["dp"]
+        expected = _engine_outputs(tiny_model, PROMPTS[:4])
+        assert _generate_all(server, PROMPTS[:4]) == expected
+        assert all(entry["prompt_tokens_seen"] > 0 for entry in _loads(server))
+        assert_no_leak(server)
+        assert server.stop() == 0, server.log_text()
+        assert all(_gone(pid) for pid in pids), f"a rank of {pids} outlived the server"
+    finally:
+        server.stop()
