@@ -170,6 +170,13 @@ def _check_values(cfg: DictConfig) -> None:
         # behind the router instead.
         ("parallel.dp_size", cfg.parallel.dp_size == 1 or cfg.disaggregation.mode is None,
          "1 with disaggregation.mode prefill or decode (put several servers behind plugserve router)"),
+        # Each replica's tensor-parallel group picks its own free port on this host: a fixed
+        # rendezvous address would make every replica join the same group.
+        ("parallel.dist_init_addr", cfg.parallel.dp_size == 1 or cfg.parallel.dist_init_addr is None,
+         "null when parallel.dp_size > 1 (each replica picks its own rendezvous port)"),
+        ("parallel.nnodes", cfg.parallel.dp_size == 1 or cfg.parallel.nnodes == 1,
+         "1 when parallel.dp_size > 1 (data parallelism runs on one host; put servers on several hosts "
+         "behind plugserve router)"),
         ("parallel.tp_size", cfg.parallel.tp_size >= 1, ">= 1"),
         ("parallel.tp_size", cfg.parallel.tp_size == 1 or cfg.disaggregation.mode is None,
          "1 with disaggregation.mode prefill or decode (prefill/decode across TP sizes is not built yet)"),

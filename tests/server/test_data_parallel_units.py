@@ -64,6 +64,9 @@ def test_replica_failure_names_the_first_failing_rank() -> None:
     (["parallel.dp_size=0"], "parallel.dp_size: invalid value 0, must be >= 1"),
     (["parallel.dp_size=2", "disaggregation.mode=prefill"], "parallel.dp_size: invalid value 2, must be 1 with"),
     (["parallel.load_balance_method=least_work"], "round_robin, shortest_queue"),
+    (["parallel.dp_size=2", "parallel.dist_init_addr=127.0.0.1:5000"],
+     "parallel.dist_init_addr: invalid value '127.0.0.1:5000', must be null when parallel.dp_size > 1"),
+    (["parallel.dp_size=2", "parallel.tp_size=2", "parallel.nnodes=2"], "parallel.nnodes: invalid value 2, must be 1 when"),
 ])
 def test_config_errors_name_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
