@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from framework.config.loader import resolve_config, to_settings
 from framework.config.schema import PlugserveConfig
 from framework.disaggregation.factory import make_pd_side
+from framework.errors import ConfigError
 from framework.engine.request_state import RequestState, make_sampling_params
 from framework.engine.rollout_api import RolloutMethods
 from framework.engine.tensor_parallel import FollowerProcesses, start_leader
@@ -56,6 +57,9 @@ class Engine(RolloutMethods):
         self.settings = to_settings(config)
         model_cfg = self.settings.model
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path)
+        if self.settings.parallel.dp_size != 1:
+            raise ConfigError(f"parallel.dp_size: {self.settings.parallel.dp_size} replicas need plugserve serve (its "
+                              "HTTP process balances them); the in-process Engine runs one, set parallel.dp_size=1")
         self.followers: FollowerProcesses | None = None
         comm = None
         if self.settings.parallel.tp_size > 1:  # this process is rank 0; the other ranks start here
