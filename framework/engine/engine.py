@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 from framework.config.loader import resolve_config, to_settings
 from framework.config.schema import PlugserveConfig
 from framework.disaggregation.factory import make_pd_side
-from framework.errors import ConfigError
 from framework.engine.request_state import RequestState, make_sampling_params
 from framework.engine.rollout_api import RolloutMethods
 from framework.engine.tensor_parallel import FollowerProcesses, start_leader
+from framework.errors import ConfigError
 from framework.executor.model_runner import ModelRunner
 from framework.models.loader import load_generation_config
 from framework.sampling.params import SamplingParams, choice_seed
