@@ -153,6 +153,21 @@ def register_reasoning_parsers(register: Register) -> None:
     """
 
 
+@hookspec
+def register_logit_processors(register: Register) -> None:
+    """Register logit processors: what a request names in SGLang's ``custom_logit_processor``
+    (allowed only with ``server.enable_custom_logit_processor=true``; plugserve never runs code
+    sent in a request).
+
+    Factory signature: ``factory() -> LogitProcessor``
+    (:class:`framework.sampling.logit_processor.LogitProcessor`), built once per scheduler process;
+    called each step as ``processor(logits, params, output_ids) -> logits`` with the ``[rows,
+    vocab]`` logits of the requests that use it (after ``logit_bias``, before penalties and
+    temperature), their ``custom_params`` objects and their output tokens so far. ``config`` is
+    the dataclass of ``custom_params``: a request's object must construct it, or it is a 400.
+    """
+
+
 # --- core hooks: observation points with a built-in user ---------------------------------------
 
 

@@ -21,6 +21,7 @@ KIND_HOOKS: dict[str, str] = {
     "reasoning_parser": "register_reasoning_parsers",
     "memory_saver": "register_memory_savers",
     "communicator": "register_communicators",
+    "logit_processor": "register_logit_processors",
 }
 
 

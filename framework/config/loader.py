@@ -163,8 +163,6 @@ def _check_values(cfg: DictConfig) -> None:
         ("server.header_read_timeout_s", cfg.server.header_read_timeout_s > 0, "> 0"),
         ("server.body_read_timeout_s", cfg.server.body_read_timeout_s > 0, "> 0"),
         ("server.shutdown_timeout_s", cfg.server.shutdown_timeout_s >= 0, ">= 0"),
-        ("server.enable_custom_logit_processor", not cfg.server.enable_custom_logit_processor,
-         "false (custom logit processors are serialized Python code from the client, which plugserve never runs)"),
         ("parallel.dp_size", cfg.parallel.dp_size >= 1, ">= 1"),
         # Every replica would bind the same bootstrap / transfer ports: run several PD servers
         # behind the router instead.

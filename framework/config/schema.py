@@ -280,9 +280,10 @@ class ServerConfig:
     ``sglang:time_to_first_token_seconds``, ... labelled ``model_name``), so dashboards built for
     SGLang work unchanged. plugserve's own ``plugserve_*`` names are always exported."""
     enable_custom_logit_processor: bool = False
-    """SGLang's switch for ``custom_logit_processor``, which is dill-serialized Python code sent by the
-    client and executed by the server. plugserve never runs code from a request: true is refused at
-    start, and the field is a 400 (see docs/api.md)."""
+    """SGLang's switch for ``custom_logit_processor``. In SGLang the field is dill-serialized Python
+    code that the server runs; plugserve never runs code from a request: with true, a request may
+    name a registered logit processor plugin (``register_logit_processors``) and pass it
+    ``custom_params``; with false the field is a 400 (see docs/api.md)."""
     shutdown_timeout_s: float = 10.0
     """On SIGTERM / Ctrl-C: how long open requests may finish (then each still open gets a 503, or
     in a stream a final chunk with finish reason abort, an error event and ``[DONE]``), then how

@@ -87,6 +87,11 @@ class SamplingParams:
     structural_tag: str | None = None
     """Constrained decoding: SGLang's structural tag (JSON text): free text, with each trigger's
     section constrained by its schema."""
+    custom_logit_processor: str | None = None
+    """SGLang's field, as a name: the registered logit processor (``register_logit_processors``)
+    applied to this request's logits (``framework.sampling.logit_processor``; never code)."""
+    custom_params: dict[str, Any] | None = None
+    """The JSON object passed to that processor for this request (SGLang's ``custom_params``)."""
 
     def __post_init__(self) -> None:
         # Clients commonly send a single stop string, and top_k=0 as "off" (vLLM accepts both).
@@ -169,6 +174,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+        if self.custom_logit_processor is not None and not isinstance(self.custom_logit_processor, str):
+            raise ValueError(f"custom_logit_processor must be a processor name (a string), "
+                             f"got {type(self.custom_logit_processor).__name__}")
+        if self.custom_params is not None and not (
+                isinstance(self.custom_params, dict) and all(isinstance(k, str) for k in self.custom_params)):
+            raise ValueError(f"custom_params must be a JSON object, got {type(self.custom_params).__name__}")
 
     # ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

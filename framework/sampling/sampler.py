@@ -1,4 +1,5 @@
-"""Batched sampling on the device: logit bias -> penalties -> temperature -> top-k -> top-p -> min-p -> sample.
+"""Batched sampling on the device: logit bias -> logit processors -> penalties -> temperature ->
+top-k -> top-p -> min-p -> sample.
 
 The pipeline follows Hugging Face ``generate`` (and vLLM / SGLang) step for step, and the tests
 check the distribution it samples from against ``transformers.generation.logits_process`` row by
@@ -16,12 +17,15 @@ torch RNG.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from framework.plugins import get_registry
 from framework.sampling.grammar_mask import apply_token_bitmask
 from framework.sampling.logit_bias import BatchLogitBias, apply_logit_bias
+from framework.sampling.logit_processor import ProcessorGroup, apply_logit_processors, build_groups
 from framework.sampling.params import SamplingParams
 from framework.sampling.penalties import PenaltyState
 
@@ -80,6 +84,11 @@ class SamplingBatchInfo:
     """Largest active top-k (for the cheap ``torch.topk`` path when top-p is off)."""
     logit_bias: BatchLogitBias | None = None
     """The rows' ``logit_bias`` entries (None when no row has one)."""
+    processor_outputs: list[list[int] | None] | None = None
+    """Per row the output ids so far of rows with a ``custom_logit_processor`` (None for the
+    others); None when no row has one. Kept up to date by :meth:`advance`."""
+    processor_groups: list[ProcessorGroup] = dataclasses.field(default_factory=list)
+    """The rows of each named logit processor used in the batch (empty: none is)."""
     token_bitmask: torch.Tensor | None = None
     """Constrained decoding: int32 ``[bs, ceil(V / 32)]`` allowed-token bits of this step
     (:mod:`framework.sampling.grammar_mask`), set by the scheduler each step; None: no row is constrained."""
@@ -120,6 +129,7 @@ class SamplingBatchInfo:
             penalties,
             [p.seed for p in params],
             [len(out) for out in output_ids],
+            _processor_outputs(params, output_ids),
         )
 
     @classmethod
@@ -131,6 +141,7 @@ class SamplingBatchInfo:
         penalties: PenaltyState | None,
         seeds: list[int | None],
         output_lens: list[int],
+        processor_outputs: list[list[int] | None] | None = None,
     ) -> SamplingBatchInfo:
         if penalties is not None:
             penalties = penalties.prune(params, output_lens)
@@ -163,6 +174,10 @@ class SamplingBatchInfo:
             need_min_p=any(min_ps[i] > 0 for i in sampled),
             max_top_k=max((ks[i] for i in sampled if ks[i] < vocab_size), default=0),
             logit_bias=BatchLogitBias.build([p.logit_bias for p in params], device),
+            processor_outputs=processor_outputs,
+            processor_groups=[] if processor_outputs is None else build_groups(
+                [p.custom_logit_processor for p in params], [p.custom_params for p in params],
+                [out if out is not None else [] for out in processor_outputs], device),
         )
 
     # ----------------------------------------------------------------------------------------------
@@ -173,6 +188,11 @@ class SamplingBatchInfo:
             if self.penalties.is_empty:
                 self.penalties = None
         self.output_lens = [n + 1 for n in self.output_lens]
+        if self.processor_outputs is not None:
+            tokens = next_token_ids.tolist()
+            for row, out in enumerate(self.processor_outputs):
+                if out is not None:
+                    out.append(tokens[row])
 
     def filter(self, keep: list[int]) -> SamplingBatchInfo:
         """A new info holding rows ``keep`` (e.g. the unfinished requests), in that order."""
@@ -185,6 +205,7 @@ class SamplingBatchInfo:
             pen,
             [self.seeds[i] for i in keep],
             [self.output_lens[i] for i in keep],
+            None if self.processor_outputs is None else _none_if_empty([self.processor_outputs[i] for i in keep]),
         )
 
     def merge(self, other: SamplingBatchInfo) -> SamplingBatchInfo:
@@ -205,7 +226,19 @@ class SamplingBatchInfo:
             pen,
             self.seeds + other.seeds,
             self.output_lens + other.output_lens,
+            _none_if_empty((self.processor_outputs or [None] * self.batch_size)
+                           + (other.processor_outputs or [None] * other.batch_size)),
         )
+
+
+def _processor_outputs(params: list[SamplingParams], output_ids: list[list[int]]) -> list[list[int] | None] | None:
+    """Copies of the output ids of the rows that use a logit processor (None when no row does)."""
+    return _none_if_empty([list(out) if p.custom_logit_processor is not None else None
+                           for p, out in zip(params, output_ids, strict=True)])
+
+
+def _none_if_empty(rows: list[list[int] | None]) -> list[list[int] | None] | None:
+    return rows if any(r is not None for r in rows) else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,6 +268,7 @@ class Sampler:
         _check_shapes(logits, info)
         logits = logits.float()  # no-op for float32; bf16 logits would lose top-p/min-p precision
         biased = apply_logit_bias(logits, info.logit_bias)  # before penalties: the EOS mask wins
+        biased = _apply_processors(biased, info)
         scores = info.penalties.apply(biased) if info.penalties is not None else biased
         if info.token_bitmask is not None:  # after penalties: a disallowed token stays impossible
             scores = apply_token_bitmask(scores, info.token_bitmask)
@@ -259,7 +293,7 @@ class Sampler:
         rows. For tests and debugging; :meth:`sample` never materialises the normalised form."""
         _check_shapes(logits, info)
         logits = logits.float()
-        biased = apply_logit_bias(logits, info.logit_bias)
+        biased = _apply_processors(apply_logit_bias(logits, info.logit_bias), info)
         scores = info.penalties.apply(biased) if info.penalties is not None else biased
         if info.token_bitmask is not None:  # after penalties: a disallowed token stays impossible
             scores = apply_token_bitmask(scores, info.token_bitmask)
@@ -282,6 +316,14 @@ class Sampler:
 
 
 # --------------------------------------------------------------------------------------------------
+def _apply_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """The batch's named logit processors (after logit_bias, before penalties), looked up in the
+    process's current registry; ``logits`` itself when no row uses one."""
+    if not info.processor_groups:
+        return logits
+    return apply_logit_processors(logits, info.processor_groups, get_registry())
+
+
 def filtered_probs(scores: torch.Tensor, info: SamplingBatchInfo, normalize: bool = True) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied to (already penalised) ``scores``.
 

@@ -42,9 +42,10 @@ class InflightDecode:
 
 def _needs_all_tokens(req: Req) -> bool:
     sp = req.sampling_params
-    # Constrained requests too: the next step's bitmask needs the matcher advanced by this step's token.
+    # Constrained requests too: the next step's bitmask needs the matcher advanced by this step's token;
+    # and a logit processor, which is handed every previous output token.
     return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
-            or req.grammar is not None)
+            or req.grammar is not None or sp.custom_logit_processor is not None)
 
 
 class OverlapLoop(StepLoop):

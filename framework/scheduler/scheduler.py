@@ -32,6 +32,7 @@ from framework.config.schema import PlugserveConfig
 from framework.errors import ConfigError
 from framework.executor.model_runner import ModelRunner
 from framework.plugins import get_plugins
+from framework.sampling.logit_processor import check_custom_logit_processor
 from framework.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from framework.scheduler.batch_builder import LogitsPlan, build_decode, build_extend, record_prompt_logprobs
 from framework.scheduler.finish import check_finished
@@ -120,6 +121,8 @@ class Scheduler:
         sp = req.sampling_params
         try:
             sp.validate(self.runner.vocab_size)
+            check_custom_logit_processor(sp.custom_logit_processor, sp.custom_params,
+                                         self.settings.server.enable_custom_logit_processor, self.plugins.registry)
         except ValueError as exc:
             raise AdmissionError(str(exc)) from None
         if any(not 0 <= t < self.runner.vocab_size for t in req.input_ids):

@@ -15,7 +15,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from framework.engine.request_state import RequestState
-from framework.server.errors import APIError
 from framework.server.group_response import released_on_error, request_errors, stream_events, wait_all
 from framework.server.http_utils import finite, parse_model, require_bearer, sse
 from framework.server.openai_format import TokenText
@@ -60,7 +59,8 @@ async def generate(request: Request) -> Response:
     _check_sglang_fields(server, body)
     prompts, single = await _prompts(server, body)
     count = len(prompts)
-    sampling = _per_prompt(body.sampling_params or {}, count, "sampling_params")
+    sampling = _with_processor(_per_prompt(body.sampling_params or {}, count, "sampling_params"),
+                               _per_prompt(body.custom_logit_processor, count, "custom_logit_processor"))
     want_lp = _per_prompt(body.return_logprob, count, "return_logprob")
     top_nums = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
     starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
@@ -125,16 +125,23 @@ async def generate(request: Request) -> Response:
 
 def _check_sglang_fields(server: ServerState, body: GenerateRequest) -> None:
     """SGLang's request fields that need more than the sampling parameters."""
-    if body.custom_logit_processor is not None and any(p is not None for p in (
-            body.custom_logit_processor if isinstance(body.custom_logit_processor, list)
-            else [body.custom_logit_processor])):
-        raise APIError(400, "custom_logit_processor is refused: SGLang sends it as dill-serialized Python code "
-                       "that the server would execute, and plugserve never runs code from a request "
-                       "(server.enable_custom_logit_processor cannot be turned on; see docs/api.md)",
-                       param="custom_logit_processor", code="unsupported")
     if body.return_text_in_logprobs:
         server.require_tokenizer("return_text_in_logprobs", "return_text_in_logprobs")
     server.builder.check_priority(body.priority)
+
+
+def _with_processor(sampling: list[Any], processors: list[Any]) -> list[Any]:
+    """Each prompt's sampling dict with SGLang's top-level ``custom_logit_processor`` (a name;
+    checked with the other sampling fields) moved inside, as the scheduler reads it."""
+    out = []
+    for fields, name in zip(sampling, processors, strict=True):
+        if name is not None and isinstance(fields, dict):
+            inner = fields.get("custom_logit_processor")
+            require(inner is None or inner == name, "custom_logit_processor is given both in the request and in "
+                    "sampling_params, with different values", "custom_logit_processor")
+            fields = {**fields, "custom_logit_processor": name}
+        out.append(fields)
+    return out
 
 
 def _result(state: RequestState, text_of: TokenText | None) -> dict[str, Any]:

@@ -73,6 +73,9 @@ class SGLangExtras(SGLangRequestFlags):
                                    "(scheduler.policy=priority), else only null or 0 are accepted")
     data_parallel_rank: Int64 | None = Field(default=None, description="Run on this data-parallel replica "
                                              "(SGLang; sglang-router --dp-aware); default: the load balancer picks")
+    custom_logit_processor: str | None = Field(default=None, description="The name of a registered logit "
+                                               "processor (needs server.enable_custom_logit_processor; never code)")
+    custom_params: dict[str, Any] | None = Field(default=None, description="That processor's parameters (SGLang)")
 
     def sglang_sampling(self) -> dict[str, Any]:
         return {
@@ -82,6 +85,7 @@ class SGLangExtras(SGLangRequestFlags):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
             "structural_tag": self.structural_tag,
+            "custom_logit_processor": self.custom_logit_processor, "custom_params": self.custom_params,
         }
 
 
@@ -171,7 +175,7 @@ class GenerateRequest(StrictModel):
         description="SamplingParams fields: max_new_tokens, min_new_tokens, temperature, top_p, top_k, "
         "min_p, repetition_penalty, frequency_penalty, presence_penalty, stop, stop_token_ids, ignore_eos, "
         "skip_special_tokens, spaces_between_special_tokens, n, seed, logit_bias, json_schema, regex, ebnf, "
-        "structural_tag (one dict, or one per prompt)",
+        "structural_tag, custom_params (one dict, or one per prompt)",
     )
     stream: bool = False
     return_logprob: bool | list[bool] = False
@@ -182,7 +186,9 @@ class GenerateRequest(StrictModel):
     token_ids_logprob: list[Int64] | list[list[Int64]] | None = None
     """Logprobs of these token ids at every output position (one list, or one per prompt)."""
     custom_logit_processor: str | list[str | None] | None = None
-    """SGLang's dill-serialized processor: always refused (see docs/api.md)."""
+    """The name of a registered logit processor (one, or one per prompt), with its parameters in
+    ``sampling_params.custom_params``; needs ``server.enable_custom_logit_processor``. SGLang's
+    dill-serialized code is refused (see docs/api.md)."""
     priority: Int64 | None = None
     data_parallel_rank: Int64 | None = None
     """Run on this data-parallel replica (sglang-router ``--dp-aware`` sets it); default: the balancer picks."""

@@ -14,6 +14,8 @@ from typing import Any
 
 from framework.config.schema import ServerConfig
 from framework.engine.request_state import make_sampling_params
+from framework.plugins import get_registry
+from framework.sampling.logit_processor import check_custom_logit_processor
 from framework.sampling.params import SamplingParams, choice_seed
 from framework.server.errors import APIError, bad_request
 from framework.server.structured import check_grammar
@@ -81,6 +83,8 @@ class RequestBuilder:
         try:
             params = make_sampling_params(fields, self.generation_defaults)
             params.validate(self.vocab_size)
+            check_custom_logit_processor(params.custom_logit_processor, params.custom_params,
+                                         self.server.enable_custom_logit_processor, get_registry())
         except (ValueError, TypeError) as exc:
             message = str(exc)
             for ours, theirs in (names or {}).items():

@@ -226,12 +226,17 @@ def test_token_ids_logprob_per_prompt_and_refusals(http: httpx.Client) -> None:
                                         "sampling_params": {"max_new_tokens": 1}}).status_code == 200
 
 
-def test_enable_custom_logit_processor_is_refused_at_start() -> None:
-    from framework.config.loader import resolve_config
-    from framework.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=r"server.enable_custom_logit_processor: invalid value True, must be false"):
-        resolve_config(None, ["server.enable_custom_logit_processor=true"])
+def test_custom_logit_processor_is_refused_while_the_switch_is_off(http: httpx.Client) -> None:
+    """The main server runs with the default ``server.enable_custom_logit_processor=false``: even a
+    registered processor's name is a 400 naming the field and the switch (the switch on:
+    test_custom_logit_processor.py)."""
+    for r in (http.post("/generate", json={"text": "x", "custom_logit_processor": "disallowed_tokens",
+                                           "sampling_params": {"custom_params": {"token_ids": [1]}}}),
+              http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "custom_logit_processor":
+                                                 "disallowed_tokens"})):
+        assert r.status_code == 400, r.text
+        assert _error(r)["param"] == "custom_logit_processor"
+        assert "server.enable_custom_logit_processor=true" in _error(r)["message"]
 
 
 def test_sglang_metric_names_are_off_by_default(http: httpx.Client) -> None:
