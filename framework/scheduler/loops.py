@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from framework.scheduler.mixed import run_mixed
-
 if TYPE_CHECKING:
     from framework.scheduler.request import Req
     from framework.scheduler.scheduler import Scheduler
@@ -57,7 +55,7 @@ class SyncLoop(StepLoop):
         if s.pd is not None:
             s.pd.step()
         plan = s.plan_prefill()
-        if plan.reqs and s.running and s.cfg.mixed_chunk and run_mixed(s, plan.reqs, plan.chunked):
+        if plan.reqs and s.running and s.cfg.mixed_chunk and s.run_prefill(plan.reqs, plan.chunked, mixed=True):
             return
         ran_prefill = bool(plan.reqs) and s.run_prefill(plan.reqs, plan.chunked)
         if not ran_prefill and s.running:

@@ -266,12 +266,29 @@ class Scheduler:
         decode_rows = len(self.running) if self.cfg.mixed_chunk else 0
         return self.planner.plan(waiting, self.running, self.chunked, self.new_token_ratio, decode_rows)
 
-    def run_prefill(self, reqs: list[Req], chunked: Req | None) -> bool:
-        """Prefill ``reqs``; False if not even one of them could get KV (decode runs instead)."""
+    def run_prefill(self, reqs: list[Req], chunked: Req | None, mixed: bool = False) -> bool:
+        """Prefill ``reqs``; False if not even one of them could get KV (decode runs instead).
+
+        ``mixed`` (``scheduler.mixed_chunk``): the running requests join the same forward as one
+        token each on top of their KV (their last sampled token at ``kv_len``: the row a decode step
+        computes, so outputs do not change), and a newcomer's prefill no longer stops the running
+        streams (SGLang's mixed chunk; vLLM's chunked-prefill scheduling). The planner counted
+        those rows in the step's token budget. False, with nothing done, when KV for both is short:
+        the caller then prefills alone.
+        """
+        decoding = list(self.running) if mixed else []
+        for r in decoding:
+            r.extend_len = 1
+        slots = self.kv.alloc_extend(reqs + decoding) if decoding else None
+        if decoding and slots is None:
+            for r in decoding:
+                r.extend_len = 0
+            return False
         for r in reqs:
             if r in self.waiting:
                 self.waiting.remove(r)
-        slots = self.kv.alloc_extend(reqs)
+        if not decoding:
+            slots = self.kv.alloc_extend(reqs)
         while slots is None and reqs:
             # The budget estimate was off (page rounding): give back the last admitted request.
             last = reqs.pop()
@@ -286,21 +303,27 @@ class Scheduler:
         if not reqs:
             return False
         self.chunked = chunked
-        batch, plan = build_extend(reqs, slots, self.runner)
-        stats = self.batch_stats("prefill", reqs, batch.num_tokens)
+        batch_reqs = reqs + decoding
+        batch, plan = build_extend(batch_reqs, slots, self.runner)
+        stats = self.batch_stats("mixed" if decoding else "prefill", batch_reqs, batch.num_tokens)
         self.hook.on_batch_scheduled(batch=stats)
         start = time.perf_counter()
         logits = self.runner.forward(batch)
-        for r in reqs:
+        for r in batch_reqs:
             r.kv_len += r.extend_len
             if r is not chunked:
                 r.extend_len = 0
+        for r in reqs:
             self.kv.cache_prefix(r)  # later arrivals can share this prompt while it still runs
         record_prompt_logprobs(reqs, logits, plan)
         sample_reqs, sample_rows = self.finish_scoring_only(plan)
         if sample_reqs and not (self.pd is not None and self.pd.on_prefilled(sample_reqs, logits[sample_rows])):
             self.apply_samples(sample_reqs, self.sample(sample_reqs, logits[sample_rows]))
-            self.running.extend(r for r in sample_reqs if not r.finished)
+            prefilled = [r for r in sample_reqs if r not in decoding and not r.finished]
+            self.running = [r for r in decoding if not r.finished] if decoding else self.running
+            self.running.extend(prefilled)
+        if decoding:
+            self.decay_new_token_ratio()
         self.hook.on_batch_finished(batch=stats, elapsed_s=time.perf_counter() - start)
         return True
 
