@@ -12,7 +12,7 @@ step's decisions keeps the followers' code the scheduler's own code (no second p
 step), at the cost of one broadcast per call (a few hundred bytes; measured in docs/benchmarks.md).
 
 What would break determinism is kept out: a request's arrival time is rank 0's; compiled grammars
-are awaited before admission when tp_size > 1 (``Scheduler._admit_compiled``).
+are awaited before admission when tp_size > 1 (``framework.scheduler.grammar_steps.admit_compiled``).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import torch
 from framework.executor.weight_sync import WeightUpdateGroup, parse_dtype
 from framework.executor.weights import WeightUpdateError
 from framework.memory.memory_saver import MEMORY_TAGS
+from framework.scheduler.retraction import retract_all
 
 if TYPE_CHECKING:
     from framework.scheduler.scheduler import Scheduler
@@ -96,7 +97,7 @@ class RolloutControl:
             for rid in list(s.requests):
                 affected += s.abort(rid, "generation paused (pause_generation mode abort)")
         elif mode == "retract":
-            affected = s.retract_all()
+            affected = retract_all(s)
         s.holds.add("paused")
         self.paused_mode = mode
         return {"success": True, "mode": mode, "num_affected_requests": affected}

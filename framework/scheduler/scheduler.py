@@ -13,14 +13,14 @@ Public API, for the loops (``framework.scheduler.loops``, ``overlap``) and the P
 - state: ``waiting``, ``running``, ``chunked``, ``requests``, ``kv`` (the :class:`KVManager`),
   ``runner``, ``settings``, ``cfg``, ``context_len``, ``tokenizer``, ``hook``, ``pd``;
 - batches: ``plan_prefill``, ``run_prefill``, ``run_decode``, ``batch_stats``,
-  ``decay_new_token_ratio``, ``finish_scoring_only``, ``retract``, ``retract_all``;
+  ``decay_new_token_ratio``, ``finish_scoring_only`` (retraction: ``framework.scheduler.retraction``;
+  grammar admission and jump-forward: ``framework.scheduler.grammar_steps``);
 - sampling: ``sampling_inputs``, ``sample_tensors``, ``sample``, ``apply_samples``;
 - request life: ``add_request`` (admit), ``start_decoding``, ``emit``, ``finish``, ``abort``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -37,6 +37,7 @@ from framework.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from framework.scheduler.batch_builder import LogitsPlan, build_decode, build_extend, record_prompt_logprobs
 from framework.scheduler.finish import check_finished
 from framework.scheduler.grammar_queue import GrammarAdmissionError, GrammarQueue
+from framework.scheduler.grammar_steps import admit_compiled, jump_forward
 from framework.scheduler.kv_manager import KVManager
 from framework.scheduler.loops import StepLoop, SyncLoop
 from framework.scheduler.outputs import RequestOutput, delta_of
@@ -44,6 +45,7 @@ from framework.scheduler.overlap import OverlapLoop
 from framework.scheduler.pd import PDSideFactory
 from framework.scheduler.prefill_planner import PrefillPlan, PrefillPlanner
 from framework.scheduler.request import FinishReason, Req
+from framework.scheduler.retraction import make_room_for_decode
 from framework.scheduler.rollout import RolloutControl
 from framework.scheduler.stats import BatchStats, RequestStats
 
@@ -202,53 +204,12 @@ class Scheduler:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch (prefill if any can be formed, else decode); return output deltas."""
-        self._admit_compiled()
+        admit_compiled(self)
         if not self.holds:
-            self._jump_forward()
+            jump_forward(self)
             self.loop.step()
         out, self._pending = self._pending, []
         return out
-
-    def _admit_compiled(self) -> None:
-        """Requests whose grammar is compiled join the waiting queue (a failed compile fails its
-        request); with nothing else to run, wait a moment for a compile instead of spinning."""
-        if not self.grammar.pending:
-            return
-        if self.settings.parallel.tp_size > 1:
-            # Every tensor-parallel rank must admit the same requests at the same step, and compile
-            # threads finish at different times on each: wait for them all (off the fast path).
-            futures = [r.grammar_future for r in self.grammar.pending if r.grammar_future is not None]
-            concurrent.futures.wait(futures)
-        elif not (self.waiting or self.running or self.chunked or self.loop.has_work()):
-            self.grammar.wait(self.settings.grammar.queue_poll_s)
-        for req, error in self.grammar.poll():
-            if error is None:
-                self.waiting.append(req)
-            else:
-                req.finished_reason = FinishReason("abort", message=error)
-                self.finish(req, error=error)
-
-    def _jump_forward(self) -> None:
-        """``grammar.jump_forward``: a running constrained request whose grammar forces its next
-        tokens gets them without sampling, leaves the decode batch and re-queues at the front, so
-        one prefill computes their KV (its own KV goes to the prefix cache and is matched again)."""
-        if not self.settings.grammar.jump_forward or self.loop.has_work():
-            return
-        for req in [r for r in self.running if r.grammar is not None]:
-            tokens = self.grammar.jump_forward(req)
-            if not tokens:
-                continue
-            req.output_ids.extend(tokens)
-            self.running.remove(req)
-            reason = FinishReason("stop") if req.grammar.is_terminated() else None
-            reason = reason or check_finished(req, self.context_len, self.tokenizer)
-            if reason is not None:
-                req.finished_reason = reason
-                self.finish(req)
-                continue
-            self.kv.release(req)
-            self.waiting.insert(0, req)
-            self.emit(req)
 
     def close(self) -> None:
         """Stop the loop's worker (overlap), the grammar compilers and the PD side's transfer backend."""
@@ -344,7 +305,7 @@ class Scheduler:
 
     def run_decode(self) -> None:
         """One decode step of the running batch (retracting the newest requests if KV is short)."""
-        self._make_room_for_decode()
+        make_room_for_decode(self)
         reqs = self.running
         if not reqs:
             return
@@ -367,50 +328,6 @@ class Scheduler:
         """One decode step ran without retraction: assume a little less of each request's
         remaining ``max_new_tokens`` when admitting prefills (SGLang's scheme)."""
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self._ratio_step)
-
-    def retract(self, req: Req) -> None:
-        """Take a running (or mid-prefill) request back to the front of the waiting queue; its
-        computed KV goes to the prefix cache, and it is prefilled again later."""
-        if req is self.chunked:
-            self.chunked = None
-            req.extend_len = 0
-        elif req in self.running:
-            self.running.remove(req)
-        self.kv.release(req)
-        req.retractions += 1
-        self.num_retractions += 1
-        self.waiting.insert(0, req)
-
-    def retract_all(self) -> int:
-        """Retract every running request (``pause_generation`` mode retract); how many."""
-        victims = list(self.running) + ([self.chunked] if self.chunked is not None else [])
-        for req in sorted(victims, key=lambda r: r.arrival_time, reverse=True):
-            self.retract(req)  # newest first, so the oldest ends up first in the queue
-        return len(victims)
-
-    def _make_room_for_decode(self) -> None:
-        """Retract the newest requests until this step fits in KV; after a retraction, also keep
-        ``retract_decode_steps`` steps of headroom so the batch does not retract again at once."""
-        retracted = False
-        while self.running:
-            need = self.kv.decode_tokens_needed(self.running)
-            with_headroom = need
-            if retracted:
-                headroom = self.cfg.retract_decode_steps * len(self.running) * self.kv.page_size
-                with_headroom = max(need, min(headroom, self.kv.total_tokens() // 2))
-            available = self.kv.available_tokens()
-            if available >= with_headroom or (len(self.running) == 1 and available >= need):
-                break
-            if len(self.running) == 1:
-                req = self.running.pop()
-                req.finished_reason = FinishReason("abort", message="KV cache too small for this request")
-                self.finish(req, error=req.finished_reason.message)
-                break
-            self.retract(max(self.running, key=lambda r: r.arrival_time))  # its KV stays cached, evictable
-            retracted = True
-        if retracted:
-            self.new_token_ratio = self.cfg.init_new_token_ratio
-            logger.info("retracted requests: %d running, %d waiting", len(self.running), len(self.waiting))
 
     # -- sampling and results --------------------------------------------------------------
 

@@ -8,12 +8,12 @@ import os
 import signal
 
 import pytest
-import torch
 import transformers
 
 from framework import Engine
 from framework.testing.tiny_models import save_tiny_model
 from tests.engine.test_engine_vs_hf import MAX_NEW, make_prompts
+from tests.rl.conftest import hf_greedy as hf_generate
 
 ARCHS = {
     "llama_gqa": ("LlamaForCausalLM", {}),  # 4 heads, 2 KV heads: one KV head per rank
@@ -50,15 +50,7 @@ def run(eng: Engine, prompts: list[list[int]]) -> list[dict]:
 
 
 def hf_greedy(path, arch: str, prompts: list[list[int]]) -> list[list[int]]:
-    model = getattr(transformers, arch).from_pretrained(path).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-            out.append(gen[0, len(p):].tolist())
-    return out
+    return hf_generate(getattr(transformers, arch).from_pretrained(path).eval(), prompts, MAX_NEW)
 
 
 def assert_clean(eng: Engine) -> None:
