@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from framework.distributed.state import get_tensor_parallel
 from framework.executor.weight_sync import WeightUpdateGroup, parse_dtype
 from framework.executor.weights import WeightUpdateError
 from framework.memory.memory_saver import MEMORY_TAGS
@@ -210,7 +211,9 @@ class RolloutControl:
         except (ValueError, TypeError) as exc:
             raise RolloutError(400, f"dtypes/shapes: {exc}", "dtypes") from None
         announced = sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for shape, dt in specs)
-        if any(d < 0 for shape, _ in specs for d in shape) or announced > 2 * self.runner.weights.nbytes():
+        # Full tensors arrive (each rank keeps its shard): bound them by twice the whole model.
+        whole_model = self.runner.weights.nbytes() * get_tensor_parallel().size
+        if any(d < 0 for shape, _ in specs for d in shape) or announced > 2 * whole_model:
             raise RolloutError(400, f"shapes: {announced} bytes announced, more than twice the model's weights",
                                "shapes")
         buffers = [torch.empty(shape, dtype=dt) for shape, dt in specs]
