@@ -86,7 +86,7 @@ class ReplicatedScheduler:
         """This host's follower processes (``check()`` raises naming a dead rank), or None."""
         object.__setattr__(self, "rollout", _RolloutProxy(self))
 
-    def _explain(self, exc: Exception) -> None:  # noqa: ARG002 - kept for the traceback context
+    def _raise_if_a_rank_died(self) -> None:
         """A collective failed: if it is because a rank died, say which (raises); else return."""
         if self.followers is not None:
             self.followers.check()
@@ -95,8 +95,8 @@ class ReplicatedScheduler:
         """Broadcast one operation to the follower ranks."""
         try:
             self.comm.broadcast_bytes(_encoder.encode(op), src=0)
-        except Exception as exc:
-            self._explain(exc)
+        except Exception:
+            self._raise_if_a_rank_died()
             raise
 
     def __getattr__(self, name: str) -> Any:
@@ -119,8 +119,8 @@ class ReplicatedScheduler:
         self.send(["step"])
         try:
             return self.inner.step()
-        except Exception as exc:  # the forward's collectives fail when a rank dies mid-step
-            self._explain(exc)
+        except Exception:  # the forward's collectives fail when a rank dies mid-step
+            self._raise_if_a_rank_died()
             raise
 
     def flush_cache(self) -> bool:
