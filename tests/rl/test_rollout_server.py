@@ -17,19 +17,14 @@ from safetensors.torch import load_file
 from framework.executor.weight_sync import WeightUpdateGroup
 from framework.scheduler.rollout import tensors_to_bytes
 from tests.rl.conftest import GREEDY, PROMPTS, hf_greedy
-from tests.server.conftest import ADMIN_KEY, API_KEY, Server, assert_no_leak, free_port, start_server
+from tests.server.conftest import ADMIN_KEY, API_KEY, Server, free_port, served
 
 
 @pytest.fixture(scope="module")
 def server(rl_models, tmp_path_factory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("rl-server"),
-                       [f"model.path={rl_models[0]}", "kv_cache.max_total_tokens=4096"], API_KEY, ADMIN_KEY)
-    try:
+    with served(tmp_path_factory.mktemp("rl-server"),
+                [f"model.path={rl_models[0]}", "kv_cache.max_total_tokens=4096"], API_KEY, ADMIN_KEY) as srv:
         yield srv
-        assert srv.proc.poll() is None, srv.log_text()
-        assert_no_leak(srv)
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

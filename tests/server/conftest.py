@@ -8,6 +8,7 @@ after the module's tests; the session teardown asserts it once more before stopp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -120,6 +121,20 @@ def start_server(tmp: Path, overrides: list[str], api_key: str | None = None,
 def replicas(info: dict) -> list[dict]:
     """Every data-parallel replica's entry of a /server_info reply (pid, requests, load, leak report)."""
     return info.get("dp") or [info]
+
+
+@contextlib.contextmanager
+def served(tmp: Path, overrides: list[str], api_key: str | None = None,
+           admin_key: str | None = None) -> Iterator[Server]:
+    """A server for a block of tests (a module fixture's body): after them it must still live and
+    have leaked nothing; it is stopped either way."""
+    srv = start_server(tmp, overrides, api_key, admin_key)
+    try:
+        yield srv
+        assert srv.proc.poll() is None, srv.log_text()
+        assert_no_leak(srv)
+    finally:
+        srv.stop()
 
 
 def wait_idle(server: Server, timeout: float = 30.0) -> dict:

@@ -17,7 +17,7 @@ import torch
 import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import Server, assert_no_leak, start_server
+from tests.server.conftest import Server, served
 
 NAME = "no-tok"
 PROMPT_IDS = [17, 52, 33, 101, 7, 64]
@@ -37,16 +37,11 @@ def bare_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 @pytest.fixture(scope="module")
 def server(bare_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("no-tokenizer-server"), [
+    with served(tmp_path_factory.mktemp("no-tokenizer-server"), [
         f"model.path={bare_model}", "model.skip_tokenizer_init=true", f"model.served_model_name={NAME}",
         "kv_cache.max_total_tokens=2048", "scheduler.policy=priority", "server.sglang_metric_names=true",
-    ])
-    try:
+    ]) as srv:
         yield srv
-        assert srv.proc.poll() is None, srv.log_text()
-        assert_no_leak(srv)
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.conftest import API_KEY, Server, assert_no_leak, engine_overrides, start_server
+from tests.server.conftest import API_KEY, Server, engine_overrides, served
 
 TOOLS_TEMPLATE = (
     "{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t['function'] | tojson }}{% endfor %}<|end|>\n{% endif %}"
@@ -55,15 +55,10 @@ def tools_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 @pytest.fixture(scope="module")
 def server(tools_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("tools-server"), [
+    with served(tmp_path_factory.mktemp("tools-server"), [
         *engine_overrides(tools_model), "server.tool_call_parser=hermes", "server.reasoning_parser=qwen3",
-        "model.served_model_name=tiny"], API_KEY)
-    try:
+        "model.served_model_name=tiny"], API_KEY) as srv:
         yield srv
-        assert srv.proc.poll() is None, srv.log_text()
-        assert_no_leak(srv)
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
