@@ -1,0 +1,74 @@
+"""What a multimodal request carries from the processor (HTTP/tokenizer process) to the model.
+
+A processor (plugin kind ``mm_processor``, see :mod:`framework.multimodal.processor`) turns a
+prompt and its images into token ids plus a :class:`MultimodalInputs`. Every token of an image's
+span in ``input_ids`` is replaced by that image's ``pad_value``, an id derived from the image's
+content hash and outside any vocabulary (``>= PAD_VALUE_BASE``). The radix cache keys on token ids,
+so two requests with the same image share KV and different images never do (SGLang pads image
+tokens the same way). The model finds its image spans through ``MultimodalInputs.items`` and puts
+the vision encoder's embeddings there instead of looking the pad ids up in its embedding table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+#: Pad ids start here: far above any real vocabulary, still inside int32.
+PAD_VALUE_BASE = 1 << 30
+
+
+def content_hash(data: bytes) -> int:
+    """A 62-bit hash of an image's decoded pixels (stable across processes and hosts)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+
+def pad_value_for(hash_value: int) -> int:
+    """The token id every position of an image's span carries in ``input_ids``."""
+    return PAD_VALUE_BASE + hash_value % PAD_VALUE_BASE
+
+
+def is_pad_id(token_id: int) -> bool:
+    return token_id >= PAD_VALUE_BASE
+
+
+@dataclass
+class ImageItem:
+    """One image of a request, processed and ready for the vision encoder."""
+
+    pixel_values: torch.Tensor
+    """The model's image processor output for this image alone (Qwen2-VL: [patches, C*T*P*P])."""
+    grid_thw: tuple[int, int, int]
+    """Patch grid (temporal, height, width) before the spatial merge."""
+    offset: int
+    """First position of the image's token span in the prompt."""
+    length: int
+    """Tokens in the span (the encoder's output rows for this image)."""
+    hash: int
+    """:func:`content_hash` of the decoded image."""
+
+    @property
+    def pad_value(self) -> int:
+        return pad_value_for(self.hash)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class MultimodalInputs:
+    """Everything beyond token ids that a multimodal prompt needs in the scheduler process."""
+
+    items: list[ImageItem] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None
+    """M-RoPE models: [3, prompt_len] int64 (temporal, height, width) position of each prompt token."""
+    mrope_position_delta: int = 0
+    """M-RoPE models: a generated token at sequence position ``p`` has position ``p + delta`` on all
+    three sections. Decode needs only this (a PD decode server gets it with the KV)."""
+
+    def spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of every image span, in prompt order."""
+        return [(item.offset, item.end) for item in self.items]
