@@ -49,11 +49,13 @@ def add_pd_command(bench_sub: Any, common: Callable[[argparse.ArgumentParser], N
 class Process:
     """A ``plugserve`` subcommand in its own process, its output in a log file."""
 
-    def __init__(self, args: list[str], port: int, log: Path) -> None:
+    def __init__(self, args: list[str], port: int, log: Path, *, command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        # ``command``: run that instead of ``plugserve ARGS`` (a peer's server, e.g. vLLM's)
         self.port, self.log = port, log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "framework.cli.main", *args], stdout=out,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(command or [sys.executable, "-m", "framework.cli.main", *args], stdout=out,
+                                         stderr=subprocess.STDOUT, env=env)
 
     @property
     def url(self) -> str:
@@ -65,14 +67,14 @@ class Process:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"bench pd: {self.log.name[:-4]} exited ({self.proc.returncode}):\n{self.tail()}")
+                raise SystemExit(f"bench: {self.log.name[:-4]} exited ({self.proc.returncode}):\n{self.tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise SystemExit(f"bench pd: {self.log.name[:-4]} not healthy after {timeout_s:.0f} s:\n{self.tail()}")
+        raise SystemExit(f"bench: {self.log.name[:-4]} not healthy after {timeout_s:.0f} s:\n{self.tail()}")
 
     def tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:]

