@@ -7,7 +7,7 @@ scripts/setup.sh || exit 1
 if [ -x .venv-sglang-router/bin/python ] && [ -z "${SGLANG_ROUTER_PYTHON:-}" ]; then
   export SGLANG_ROUTER_PYTHON="$PWD/.venv-sglang-router/bin/python"
 fi
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2
