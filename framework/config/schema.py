@@ -293,6 +293,28 @@ class ServerConfig:
     rollout_timeout_s: float = 600.0
     """How long an RL call (``/release_memory_occupation``, ``/update_weights_*``, ...) may wait for
     the scheduler: for running requests to finish, weights to load, a trainer to join a group."""
+    # Image inputs (multimodal models; docs/models.md). Bodies carry base64 images, so raise
+    # max_body_bytes with these: a data URL is 4/3 of the image's bytes.
+    max_images_per_request: int = 8
+    """Images in one HTTP request, over all its prompts and messages (400 beyond)."""
+    max_image_pixels: int = 4096 * 4096
+    """Width x height of one image, checked from its header before it is decoded (400 beyond):
+    bounds the memory a small compressed file can expand to."""
+    max_image_bytes: int = 10 * 1024 * 1024
+    """Encoded bytes of one image (after base64 decoding, or as fetched) (400 beyond)."""
+    max_image_bytes_per_request: int = 32 * 1024 * 1024
+    """Encoded bytes of all the images of one request together (400 beyond)."""
+    image_formats: list[str] = field(default_factory=lambda: ["PNG", "JPEG", "WEBP"])
+    """Pillow format names the server decodes; any other format is a 400 (only these decoders
+    ever see client bytes)."""
+    allow_remote_images: bool = False
+    """Fetch http(s) image URLs. Off by default: a URL makes the server open a connection of the
+    client's choosing (SSRF); with it off such URLs are a 400."""
+    remote_image_timeout_s: float = 10.0
+    """A remote image must arrive completely within this long (400 beyond)."""
+    allow_image_paths: bool = False
+    """Read images from local file paths (``/generate`` ``image_data``, ``file://`` URLs). Off by
+    default: anyone with the API key could read any image file the server can."""
 
 
 class LoadBalanceMethod(Enum):

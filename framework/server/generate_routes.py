@@ -17,6 +17,7 @@ from starlette.routing import Route
 from framework.engine.request_state import RequestState
 from framework.server.group_response import released_on_error, request_errors, stream_events, wait_all
 from framework.server.http_utils import finite, parse_model, require_bearer, sse
+from framework.server.image_inputs import generate_image_sources
 from framework.server.openai_format import TokenText
 from framework.server.protocol import GenerateRequest
 from framework.server.request_builder import attach_bootstrap, new_rid, require, sub_rids
@@ -37,18 +38,37 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
-async def _prompts(server: ServerState, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+async def _prompts(server: ServerState, body: GenerateRequest) -> tuple[list[list[int]], list[Any], bool]:
+    """Each prompt's ids, what the scheduler gets of its images (None: none), and whether the
+    request was a single prompt. Prompts with images are padded by the model's processor."""
     require((body.text is None) != (body.input_ids is None), "give exactly one of text and input_ids", "text")
     if body.text is not None:
-        texts = [body.text] if isinstance(body.text, str) else body.text
-        require(len(texts) > 0, "text must not be an empty list", "text")
-        server.builder.check_sequence_count(len(texts), len(texts))  # before tokenizing any
-        return [await server.builder.tokenize(t, "text") for t in texts], isinstance(body.text, str)
-    ids = body.input_ids or []
-    single = not ids or isinstance(ids[0], int)
-    prompts = [list(ids)] if single else [list(p) for p in ids]  # type: ignore[arg-type]
-    require(len(prompts) > 0, "input_ids must not be an empty list", "input_ids")
-    return prompts, single
+        raw: list[Any] = [body.text] if isinstance(body.text, str) else body.text
+        single = isinstance(body.text, str)
+        require(len(raw) > 0, "text must not be an empty list", "text")
+        server.builder.check_sequence_count(len(raw), len(raw))  # before tokenizing any
+    else:
+        ids = body.input_ids or []
+        single = not ids or isinstance(ids[0], int)
+        raw = [list(ids)] if single else [list(p) for p in ids]  # type: ignore[arg-type]
+        require(len(raw) > 0, "input_ids must not be an empty list", "input_ids")
+    where = "input_ids" if body.input_ids is not None else "text"
+    images = generate_image_sources(body.image_data, len(raw), not single)
+    frontend = server.require_images("image_data") if any(images) else None
+    if frontend is not None:
+        frontend.loader.check_count(sum(map(len, images)), "image_data")
+    prompts: list[list[int]] = []
+    wires: list[Any] = []
+    for prompt, sources in zip(raw, images, strict=True):
+        if sources and frontend is not None:
+            ids, mm = await frontend.process(prompt, sources, where)
+            prompts.append(ids)
+            wires.append(frontend.wire(mm))
+        else:
+            prompts.append(await server.builder.tokenize(prompt, "text") if isinstance(prompt, str) else prompt)
+            wires.append(None)
+            server.builder.check_ids(prompts[-1], where)
+    return prompts, wires, single
 
 
 async def generate(request: Request) -> Response:
@@ -57,7 +77,7 @@ async def generate(request: Request) -> Response:
     require_bearer(request, server.api_key)
     body = await parse_model(request, GenerateRequest, server.body_limits)
     _check_sglang_fields(server, body)
-    prompts, single = await _prompts(server, body)
+    prompts, wires, single = await _prompts(server, body)
     count = len(prompts)
     sampling = _with_processor(_per_prompt(body.sampling_params or {}, count, "sampling_params"),
                                _per_prompt(body.custom_logit_processor, count, "custom_logit_processor"))
@@ -74,7 +94,6 @@ async def generate(request: Request) -> Response:
     where = "input_ids" if body.input_ids is not None else "text"
     plans = []
     for i, ids in enumerate(prompts):
-        server.builder.check_ids(ids, where)
         default = max(1, min(DEFAULT_MAX_NEW_TOKENS, server.builder.context_len - len(ids)))
         plans.append((ids, server.builder.sampling_params(sampling[i], default)))
     total = sum(p.n for _, p in plans)
@@ -92,7 +111,8 @@ async def generate(request: Request) -> Response:
             mine = sub_rids(user_rids[i], params.n)
         subs += server.builder.expand(mine, ids, params, return_logprob=bool(want_lp[i]),
                                       top_logprobs_num=top_nums[i], logprob_start_len=starts[i],
-                                      priority=body.priority, token_ids_logprob=per_prompt_ids[i])
+                                      priority=body.priority, token_ids_logprob=per_prompt_ids[i],
+                                      mm_inputs=wires[i])
     attach_bootstrap(subs, body)
     text_of = server.token_text if body.return_text_in_logprobs else None
     batch = not (single and len(subs) == 1)

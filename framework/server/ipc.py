@@ -13,12 +13,16 @@ from typing import Any
 import msgspec
 
 from framework.scheduler.outputs import RequestOutput
+from framework.server.mm_wire import WireMultimodal
 
 # -- HTTP process -> scheduler process ----------------------------------------------------------
 
 
-class GenerateReq(msgspec.Struct, tag="generate"):
-    """One scheduler request (n == 1): token ids and plain-dict sampling parameters."""
+class GenerateReq(msgspec.Struct, tag="generate", omit_defaults=True):
+    """One scheduler request (n == 1): token ids and plain-dict sampling parameters.
+
+    Fields at their defaults are left out of the message: a text-only request pays nothing for
+    ``mm_inputs``."""
 
     rid: str
     input_ids: list[int]
@@ -31,6 +35,8 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     bootstrap_room: int | None = None
     priority: int | None = None
     token_ids_logprob: list[int] | None = None
+    mm_inputs: WireMultimodal | None = None
+    """Images (pixel tensors as raw bytes) and M-RoPE positions of a multimodal prompt."""
 
 
 class GenerateBatch(msgspec.Struct, tag="generate_batch"):

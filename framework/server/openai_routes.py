@@ -12,9 +12,11 @@ from starlette.routing import Route
 from framework.server.chat_output import ChatOutputPlan, ChoiceStream, final_message, prepare_chat, stream_finish_reason
 from framework.server.chat_template import render_chat
 from framework.server.chat_tools import template_messages
-from framework.server.errors import bad_request
 from framework.server.group_response import released_on_error, request_errors, stream_events, wait_all
 from framework.server.http_utils import parse_model, require_bearer, sse
+from framework.server.image_inputs import chat_content
+from framework.server.images import ImageSource
+from framework.server.mm_wire import WireMultimodal
 from framework.server.openai_format import chat_logprobs, completion_logprobs, finish_reason, matched_stop, usage
 from framework.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
 from framework.server.request_builder import attach_bootstrap, new_rid, require, sub_rids
@@ -68,6 +70,8 @@ async def completions(request: Request) -> Response:
     body = await parse_model(request, CompletionRequest, server.body_limits)
     _check_common(server, body)
     require(body.suffix is None, "suffix is not supported by this server", "suffix")
+    require(body.image_data is None, "/v1/completions takes no images: send them as image_url parts to "
+            "/v1/chat/completions, or as image_data to /generate", "image_data")
     require(body.best_of in (None, body.n), "best_of must equal n on this server", "best_of")
     lp_num = body.logprobs
     if lp_num is not None:
@@ -148,21 +152,35 @@ async def _stream_completion(request: Request, server: ServerState, group: Reque
     return await stream_events(request, server.manager, group, render, tail)
 
 
-def message_dict(index: int, msg: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template sees it: content parts flattened to text."""
+def message_dict(index: int, msg: ChatMessage, images: list[ImageSource] | None = None,
+                 refuse_images: str = "this route takes text only") -> dict[str, Any]:
+    """A message as the chat template sees it: text parts joined, image parts (appended to
+    ``images``; None: refused with ``refuse_images``) as ``{"type": "image"}`` parts."""
     out = msg.model_dump(exclude_none=True)
     content = msg.content
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise bad_request(f"content part type {part.type!r} is not supported: only text parts",
-                                  f"messages.{index}.content")
-            texts.append(part.text)
-        out["content"] = "".join(texts)
+        out["content"], found = chat_content(index, content, refuse_images if images is None else None)
+        if images is not None:
+            images += found
     elif content is None:
         out["content"] = ""
     return out
+
+
+async def _chat_prompt(server: ServerState, body: ChatCompletionRequest,
+                       tools: Any) -> tuple[list[int], WireMultimodal | None]:
+    """The rendered prompt's ids (padded image spans with images) and what the scheduler gets."""
+    frontend = server.images if server.images is not None and server.images.enabled else None
+    images: list[ImageSource] | None = [] if frontend is not None else None
+    refusal = f"this model ({server.images.architecture if server.images else 'text-only'}) does not take images"
+    messages = template_messages([message_dict(i, m, images, refusal) for i, m in enumerate(body.messages)])
+    text = render_chat(server.tokenizer, messages, tools=tools)
+    if frontend is None or not images:
+        ids = await server.builder.tokenize_rendered(text)
+        server.builder.check_ids(ids, "messages")
+        return ids, None
+    ids, mm = await frontend.process(text, images, "messages")
+    return ids, frontend.wire(mm)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -177,9 +195,7 @@ async def chat_completions(request: Request) -> Response:
     if top is not None:
         require(bool(body.logprobs), "top_logprobs requires logprobs to be true", "top_logprobs")
         server.builder.check_top_logprobs(top, "top_logprobs")
-    messages = template_messages([message_dict(i, m) for i, m in enumerate(body.messages)])
-    ids = await server.builder.tokenize_rendered(render_chat(server.tokenizer, messages, tools=plan.tools.tools))
-    server.builder.check_ids(ids, "messages")
+    ids, mm = await _chat_prompt(server, body, plan.tools.tools)
     use_completion = body.max_completion_tokens is not None
     max_name = "max_completion_tokens" if use_completion else "max_tokens"
     max_tokens = body.max_completion_tokens if use_completion else body.max_tokens
@@ -190,7 +206,7 @@ async def chat_completions(request: Request) -> Response:
     n, group_rid = body.n, body.rid or new_rid()
     server.builder.check_sequence_count(1, n)
     subs = server.builder.expand(sub_rids(group_rid, n), ids, params, return_logprob=bool(body.logprobs),
-                                 top_logprobs_num=top or 0, priority=body.priority)
+                                 top_logprobs_num=top or 0, priority=body.priority, mm_inputs=mm)
     attach_bootstrap(subs, body)
     head = {"id": f"chatcmpl-{group_rid}", "created": int(time.time()), "model": server.model_name}
     group = await server.manager.submit(group_rid, subs, body.data_parallel_rank)

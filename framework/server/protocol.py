@@ -124,6 +124,8 @@ class CompletionRequest(OpenAISampling):
     response_format: dict[str, Any] | None = None
     """SGLang accepts OpenAI's structured-output field on completions too."""
     suffix: str | None = None
+    image_data: Any = None
+    """Declared so that images sent here get a 400 that says where to send them instead."""
 
 
 class ContentPart(BaseModel):
@@ -170,6 +172,13 @@ class GenerateRequest(StrictModel):
 
     text: str | list[str] | None = None
     input_ids: list[Int64] | list[list[Int64]] | None = None
+    image_data: str | list[str] | list[str | list[str] | None] | None = Field(
+        default=None,
+        description="Images of a multimodal model: each a data: URL, base64, an http(s) URL "
+        "(server.allow_remote_images) or a local path (server.allow_image_paths); one or a list for one "
+        "prompt, one entry (null, an image or a list) per prompt for a batch. The prompt holds the model's "
+        "image placeholder once per image",
+    )
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
         default=None,
         description="SamplingParams fields: max_new_tokens, min_new_tokens, temperature, top_p, top_k, "

@@ -14,6 +14,7 @@ from framework.engine.request_state import RequestState
 from framework.sampling.params import SamplingParams
 from framework.server import ipc
 from framework.server.errors import APIError
+from framework.server.mm_wire import WireMultimodal
 
 
 @dataclass
@@ -32,6 +33,8 @@ class SubRequest:
     priority: int | None = None
     token_ids_logprob: list[int] | None = None
     """SGLang's ``token_ids_logprob``: report these ids' logprobs at every output position."""
+    mm_inputs: WireMultimodal | None = None
+    """A multimodal prompt's images and positions, ready for the wire (shared by ``n`` choices)."""
 
     def to_ipc(self) -> ipc.GenerateReq:
         return ipc.GenerateReq(
@@ -39,7 +42,7 @@ class SubRequest:
             return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
             logprob_start_len=self.logprob_start_len, bootstrap_host=self.bootstrap_host,
             bootstrap_port=self.bootstrap_port, bootstrap_room=self.bootstrap_room,
-            priority=self.priority, token_ids_logprob=self.token_ids_logprob,
+            priority=self.priority, token_ids_logprob=self.token_ids_logprob, mm_inputs=self.mm_inputs,
         )
 
 

@@ -13,6 +13,7 @@ from framework.config.loader import public_config
 from framework.config.schema import PlugserveConfig
 from framework.server.errors import APIError
 from framework.server.http_utils import BodyLimits
+from framework.server.image_inputs import ImageFrontend
 from framework.server.metrics import ServerMetrics
 from framework.server.openai_format import TokenText
 from framework.server.request_builder import RequestBuilder
@@ -44,6 +45,15 @@ class ServerState:
     """``server.tool_call_parser`` (a :class:`~framework.parsing.tool_calls.ToolParser`) or None."""
     reasoning_parser: Any = None
     """``server.reasoning_parser`` (a :class:`~framework.parsing.reasoning.ReasoningParser`) or None."""
+    images: ImageFrontend | None = None
+    """Image inputs: the model's multimodal processor and the image limits (None: no images)."""
+
+    def require_images(self, param: str) -> ImageFrontend:
+        """The image front end, or a 400 naming ``param`` when the model takes no images."""
+        if self.images is None:
+            raise APIError(400, "this server takes no images", param=param, code="images_not_supported")
+        self.images.require(param)
+        return self.images
 
     @property
     def api_key(self) -> str | None:

@@ -64,7 +64,9 @@ CASES = [
     ("tool_choice auto without a parser", CHAT, {"model": MODEL, "messages": MSGS, "tools": [
         {"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("image part", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content"),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content.0"),
+    ("image to a text-only model", "/generate", {"text": "x", "image_data": "AAAA"}, 400, "image_data"),
+    ("images on completions", COMP, {"model": MODEL, "prompt": "x", "image_data": "AAAA"}, 400, "image_data"),
     ("logit_bias out of range", COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
     ("logit_bias bad token", CHAT, {"model": MODEL, "messages": MSGS, "logit_bias": {"abc": 5}}, 400, "logit_bias"),
     ("generate: no prompt", "/generate", {"sampling_params": {}}, 400, "text"),
