@@ -80,6 +80,9 @@ def register_models(register: Register) -> None:
     Factory signature: ``factory(hf_config, options) -> torch.nn.Module`` where the module has
     ``forward(input_ids, positions, forward_batch) -> hidden_states``,
     ``compute_logits(hidden_states) -> logits`` and ``load_weights(iterable of (name, tensor))``.
+    Two optional class attributes: ``accepts_mm_inputs = True`` (requests may carry images; the
+    model reads ``forward_batch.mm_inputs`` and never looks up pad ids ``>= 2**30`` in its
+    embedding) and ``uses_mrope = True`` (positions arrive as ``[3, num_tokens]`` M-RoPE rows).
     """
 
 
@@ -165,6 +168,22 @@ def register_logit_processors(register: Register) -> None:
     vocab]`` logits of the requests that use it (after ``logit_bias``, before penalties and
     temperature), their ``custom_params`` objects and their output tokens so far. ``config`` is
     the dataclass of ``custom_params``: a request's object must construct it, or it is a 400.
+    """
+
+
+@hookspec
+def register_mm_processors(register: Register) -> None:
+    """Register multimodal processors, keyed by the Hugging Face ``architectures`` name of the
+    model they serve (register the model under the same name with ``register_models``).
+
+    Factory signature: ``factory(model_path, hf_config, tokenizer, options) -> MultimodalProcessor``
+    (:class:`framework.multimodal.processor.MultimodalProcessor`): ``process(prompt, images)``
+    turns a prompt with one placeholder per image and the decoded ``PIL`` images into token ids
+    whose image spans carry hash-derived pad ids, plus the
+    :class:`~framework.multimodal.inputs.MultimodalInputs` (pixel tensors, spans, M-RoPE
+    positions) the model reads. It runs where tokenization runs (the HTTP process, or the
+    caller's process for the in-process Engine), never in the scheduler. A model with no
+    processor registered is text-only.
     """
 
 

@@ -22,6 +22,7 @@ KIND_HOOKS: dict[str, str] = {
     "memory_saver": "register_memory_savers",
     "communicator": "register_communicators",
     "logit_processor": "register_logit_processors",
+    "mm_processor": "register_mm_processors",
 }
 
 

@@ -22,12 +22,17 @@ from framework.engine.tensor_parallel import FollowerProcesses, start_leader
 from framework.errors import ConfigError
 from framework.executor.model_runner import ModelRunner
 from framework.models.loader import load_generation_config
+from framework.multimodal.factory import build_processor
+from framework.multimodal.images import load_image
+from framework.multimodal.inputs import MultimodalInputs
 from framework.sampling.params import SamplingParams, choice_seed
 from framework.scheduler.replicated import ReplicatedScheduler
 from framework.scheduler.request import Req
 from framework.scheduler.scheduler import Scheduler
 
 Prompt = str | list[int]
+ImageData = Any
+"""One image (``PIL.Image``, encoded bytes or a file path) or a list of them, SGLang's ``image_data``."""
 
 
 def eos_token_ids(generation_defaults: dict[str, Any], tokenizer: Any) -> list[int]:
@@ -67,6 +72,9 @@ class Engine(RolloutMethods):
         self.runner = ModelRunner(self.settings, progress=progress)
         scheduler = Scheduler(self.settings, self.runner, self.tokenizer, pd_side=make_pd_side)
         self.scheduler = scheduler if comm is None else ReplicatedScheduler(scheduler, comm, self.followers)
+        # Images are processed here, in the caller's process, as the HTTP server does in its own.
+        self.mm_processor = build_processor(self.runner.model_path, self.runner.hf_config, self.tokenizer,
+                                            self.runner.architecture)
         self.generation_defaults = load_generation_config(model_cfg.path)
         self.eos_token_ids = eos_token_ids(self.generation_defaults, self.tokenizer)
         self._states: dict[str, RequestState] = {}
@@ -74,10 +82,15 @@ class Engine(RolloutMethods):
 
     # -- requests ---------------------------------------------------------------------------
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def _tokenize(self, prompt: Prompt, image_data: ImageData = None) -> tuple[list[int], MultimodalInputs | None]:
+        images = image_data if isinstance(image_data, list | tuple) else [] if image_data is None else [image_data]
+        if images:
+            if self.mm_processor is None:
+                raise ValueError(f"model {self.runner.architecture} does not take images (no mm_processor)")
+            return self.mm_processor.process(prompt, [load_image(i) for i in images])
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+            return self.tokenizer.encode(prompt), None
+        return list(prompt), None
 
     def submit(
         self,
@@ -88,11 +101,14 @@ class Engine(RolloutMethods):
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        image_data: ImageData = None,
     ) -> str:
-        """Queue one request (n == 1); returns its id. Drive it with :meth:`step`."""
+        """Queue one request (n == 1); returns its id. Drive it with :meth:`step`.
+
+        ``image_data``: the prompt's images in placeholder order (see :meth:`generate`)."""
         params = make_sampling_params(sampling_params, self.generation_defaults)
         rid = rid or f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
-        ids = self._tokenize(prompt)
+        ids, mm_inputs = self._tokenize(prompt, image_data)
         req = Req(
             rid=rid,
             input_ids=ids,
@@ -101,6 +117,7 @@ class Engine(RolloutMethods):
             return_logprob=return_logprob or top_logprobs_num > 0 or logprob_start_len >= 0,
             top_logprobs_num=top_logprobs_num,
             logprob_start_len=logprob_start_len,
+            mm_inputs=mm_inputs,
         )
         self.scheduler.add_request(req)
         self._states[rid] = RequestState(rid, self.tokenizer, ids, params, req.return_logprob)
@@ -121,26 +138,36 @@ class Engine(RolloutMethods):
         self,
         prompt: Prompt | list[Prompt],
         sampling_params: dict[str, Any] | SamplingParams | list[dict[str, Any]] | None = None,
+        image_data: ImageData | list[ImageData] = None,
         **kwargs: Any,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (a dict result) or a batch (a list), SGLang's result shape.
 
         ``sampling_params`` may hold ``n``: each prompt then yields ``n`` results (seeded
-        samples use ``seed + i``).
+        samples use ``seed + i``). ``image_data`` (vision-language models): for one prompt, an
+        image or a list of images; for a batch, one such entry (or None) per prompt. An image is a
+        ``PIL.Image``, encoded bytes or a file path; the prompt holds one placeholder per image
+        (the processor's ``image_placeholder``, which the chat template emits).
         """
         single = isinstance(prompt, str) or (
             isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
         )
         prompts: list[Prompt] = [prompt] if single else list(prompt)  # type: ignore[list-item]
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if single or image_data is None:
+            images_list = [image_data] * len(prompts)
+        elif isinstance(image_data, list) and len(image_data) == len(prompts):
+            images_list = list(image_data)
+        else:
+            raise ValueError(f"image_data for a batch of {len(prompts)} prompts must be a list with one entry each")
         rids: list[str] = []
-        for p, sp in zip(prompts, params_list, strict=True):
+        for p, sp, images in zip(prompts, params_list, images_list, strict=True):
             params = make_sampling_params(sp, self.generation_defaults)
             for i in range(params.n):
                 sub = SamplingParams.from_dict({**params.to_dict(), "n": 1})
                 if params.seed is not None:
                     sub.seed = choice_seed(params.seed, i)
-                rids.append(self.submit(p, sub, **kwargs))
+                rids.append(self.submit(p, sub, image_data=images, **kwargs))
         self.run_until_done(rids)
         results = [self._states.pop(r).result() for r in rids]
         return results[0] if single and len(results) == 1 else results

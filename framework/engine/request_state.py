@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from framework.multimodal.inputs import is_pad_id
 from framework.sampling.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from framework.sampling.params import SamplingParams
 from framework.scheduler.outputs import RequestOutput
@@ -45,8 +46,10 @@ class RequestState:
         self.return_logprob = return_logprob
         self.token_ids_logprob = token_ids_logprob
         # No tokenizer (model.skip_tokenizer_init): ids in, ids out, and the text stays empty.
+        # Image pad ids (>= 2**30) are no tokenizer entries: left out of the decoding context.
         self.detok = None if tokenizer is None else IncrementalDetokenizer(
-            tokenizer, prompt_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            tokenizer, [t for t in prompt_ids if not is_pad_id(t)], params.skip_special_tokens,
+            params.spaces_between_special_tokens
         )
         self.stops = StopStringMatcher(list(params.stop)) if params.stop else None
         self.created = time.monotonic()

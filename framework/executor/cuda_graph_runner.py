@@ -264,6 +264,7 @@ class CudaGraphRunner:
         per request) over the runner's own cache that fits a bucket and the backend accepts."""
         return (
             batch.mode.is_decode()
+            and batch.positions.dim() == 1  # graphs capture 1-D positions, not M-RoPE's [3, n]
             and batch.logits_indices is None
             and 0 < batch.batch_size <= self.max_batch_size
             and batch.num_tokens == batch.batch_size

@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:
     from framework.attention.base import AttentionBackend
     from framework.memory.kv_cache import KVCache
+    from framework.multimodal.inputs import MultimodalInputs
 
 
 class ForwardMode(enum.IntEnum):
@@ -46,7 +47,8 @@ class ForwardBatch:
     input_ids: torch.Tensor
     """[num_tokens] int64 token ids of this step's new tokens."""
     positions: torch.Tensor
-    """[num_tokens] int64 absolute position of each new token."""
+    """[num_tokens] int64 absolute position of each new token; ``[3, num_tokens]`` (temporal,
+    height, width) for a model with ``uses_mrope`` (see :mod:`framework.multimodal.mrope`)."""
     req_pool_indices: torch.Tensor
     """[batch_size] int64 row of each request in ``req_to_token``."""
     seq_lens: torch.Tensor
@@ -67,6 +69,9 @@ class ForwardBatch:
     """Rows of the hidden states whose logits are needed (default: the last token per request)."""
     attn_metadata: Any = None
     """Whatever the attention backend computed in ``init_forward_metadata`` for this batch."""
+    mm_inputs: list[MultimodalInputs | None] | None = None
+    """Per request (batch order): its images, or None; None altogether when no request has any.
+    The model encodes the images whose spans overlap this step's tokens."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

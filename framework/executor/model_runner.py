@@ -78,20 +78,24 @@ class ModelRunner:
             self.model = build_model(
                 self.hf_config, model_comp.factory, model_options, self.dtype, self.device, path, progress
             )
-        self.vocab_size = int(self.hf_config.vocab_size)
+        # A vision-language config nests the language model's sizes in its text config.
+        self.text_config = self.hf_config.get_text_config()
+        self.vocab_size = int(self.text_config.vocab_size)
+        self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
+        """The model takes ``[3, num_tokens]`` M-RoPE positions (Qwen2-VL family)."""
         self.linear_impl = self._pack_cpu_linears(settings.device.cpu_linear.value)
         self.weights = ModelWeights(self.model, model_comp.factory, model_options, self.hf_config, self.dtype,
                                     packed=self.linear_impl == "onednn", saver=self.memory_saver)
 
         # This rank's KV heads: a tensor-parallel rank caches only the heads its attention computes.
         self.tp = get_tensor_parallel()
-        total_kv = getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+        total_kv = getattr(self.text_config, "num_key_value_heads", None) or self.text_config.num_attention_heads
         self.kv_heads = kv_heads_per_rank(total_kv, self.tp.size)
         self.plan = self._plan_memory()
         kv_dtype = self.dtype if settings.kv_cache.dtype.value == "auto" else getattr(
             torch, settings.kv_cache.dtype.value
         )
-        text_cfg = self.hf_config
+        text_cfg = self.text_config
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         # The KV cache and the request pool are released together (SGLang allocates its request
         # pools in the same saver region).
@@ -148,7 +152,7 @@ class ModelRunner:
     # -- sizing ----------------------------------------------------------------------------
 
     def _plan_memory(self) -> MemoryPlan:
-        s, cfg = self.settings, self.hf_config
+        s, cfg = self.settings, self.text_config
         page_size = s.kv_cache.page_size
         kv_dtype = self.dtype if s.kv_cache.dtype.value == "auto" else getattr(torch, s.kv_cache.dtype.value)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

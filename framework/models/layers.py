@@ -230,3 +230,40 @@ def get_rope(hf_config: Any, head_dim: int, max_position: int | None = None) -> 
     if max_position is None:
         max_position = int(hf_config.max_position_embeddings)
     return RotaryEmbedding(head_dim, rotary_dim, max_position, params)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding (M-RoPE, Qwen2-VL): the rotary half-dimensions are split into
+    ``mrope_section`` = (temporal, height, width) sections, and section ``i`` takes its angle from
+    position row ``i``. With ``[3, n]`` positions whose rows are equal (text) this is plain RoPE;
+    1-D positions are accepted too and mean exactly that."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: RopeParams,
+                 mrope_section: list[int]) -> None:
+        super().__init__(head_dim, rotary_dim, max_position, params)
+        if len(mrope_section) != 3 or sum(mrope_section) != rotary_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must be 3 sections summing to {rotary_dim // 2}")
+        self.mrope_section = list(mrope_section)
+
+    def get_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().get_cos_sin(positions, dtype)
+        half = self.rotary_dim // 2
+        cos_parts, sin_parts = [], []
+        start = 0
+        for row, size in enumerate(self.mrope_section):
+            table = self.cos_sin_cache.index_select(0, positions[row]).to(torch.float32)
+            cos_parts.append(table[:, start : start + size])
+            sin_parts.append(table[:, half + start : half + start + size])
+            start += size
+        cos, sin = torch.cat(cos_parts, dim=-1), torch.cat(sin_parts, dim=-1)
+        cos = torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(1)
+        sin = torch.cat((sin, sin), dim=-1).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def get_mrope(hf_config: Any, head_dim: int, mrope_section: list[int]) -> MRotaryEmbedding:
+    """The :class:`MRotaryEmbedding` of a text config whose rope has ``mrope_section``."""
+    params = rope_params_from_config(hf_config)
+    rotary_dim = int(head_dim * params.partial_rotary_factor)
+    return MRotaryEmbedding(head_dim, rotary_dim, int(hf_config.max_position_embeddings), params, mrope_section)

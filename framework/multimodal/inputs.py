@@ -72,3 +72,19 @@ class MultimodalInputs:
     def spans(self) -> list[tuple[int, int]]:
         """``(start, end)`` of every image span, in prompt order."""
         return [(item.offset, item.end) for item in self.items]
+
+    def check_ids(self, input_ids: list[int], vocab_size: int) -> str | None:
+        """Why ``input_ids`` do not fit these inputs (None when they do): vocabulary ids outside
+        the image spans, each span entirely its image's pad id (anything else would index a
+        vocabulary-sized tensor out of range)."""
+        expected: dict[int, int] = {}
+        for item in self.items:
+            if item.offset < 0 or item.end > len(input_ids):
+                return f"image span [{item.offset}, {item.end}) is outside the prompt ({len(input_ids)} tokens)"
+            expected.update((p, item.pad_value) for p in range(item.offset, item.end))
+        for p, t in enumerate(input_ids):
+            pad = expected.get(p)
+            if (t != pad) if pad is not None else not 0 <= t < vocab_size:
+                return (f"input_ids[{p}] = {t}: ids must be in [0, {vocab_size}) outside image spans and the "
+                        "image's pad id inside them")
+        return None

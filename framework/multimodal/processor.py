@@ -40,3 +40,4 @@ class MultimodalProcessor(ABC):
         the model's image token); ``images`` are decoded ``PIL.Image`` objects in prompt order.
         A mismatch between placeholders and images raises ``ValueError`` with a message fit for
         an HTTP 400."""
+

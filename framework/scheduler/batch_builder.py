@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from framework.executor.forward_batch import ForwardBatch, ForwardMode
+from framework.multimodal.inputs import is_pad_id
+from framework.multimodal.mrope import chunk_positions
 from framework.scheduler.request import Req
 
 
@@ -29,12 +31,17 @@ def build_extend(
     ids: list[int] = []
     positions: list[int] = []
     logits_tokens: list[int] = []
+    mrope = bool(getattr(runner, "uses_mrope", False))
+    mrope_rows: list[torch.Tensor] = []
     plan = LogitsPlan()
     offset = 0
     for r in reqs:
         start, end = r.kv_len, r.kv_len + r.extend_len
         ids.extend(r.fill_ids[start:end])
-        positions.extend(range(start, end))
+        if mrope:
+            mrope_rows.append(chunk_positions(r.mm_inputs, start, end, len(r.input_ids)))
+        else:
+            positions.extend(range(start, end))
         if r.wants_prompt_logprobs() and not r.prompt_logprobs_done():
             # logits at position p give the logprob of prompt token p + 1
             first = max(start, max(r.logprob_start_len, 1) - 1)
@@ -54,7 +61,8 @@ def build_extend(
         mode=ForwardMode.EXTEND,
         batch_size=len(reqs),
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        positions=(torch.cat(mrope_rows, dim=1).to(device) if mrope
+                   else torch.tensor(positions, dtype=torch.int64, device=device)),
         req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         seq_lens_cpu=seq_lens,
@@ -62,6 +70,7 @@ def build_extend(
         req_to_token=runner.req_to_token,  # type: ignore[attr-defined]
         kv_cache=runner.kv_cache,  # type: ignore[attr-defined]
         attn_backend=runner.attn_backend,  # type: ignore[attr-defined]
+        mm_inputs=[r.mm_inputs for r in reqs] if any(r.mm_inputs is not None for r in reqs) else None,
         extend_prefix_lens_cpu=prefix_lens,
         extend_seq_lens_cpu=extend_lens,
         logits_indices=torch.tensor(logits_tokens, dtype=torch.int64, device=device),
@@ -85,7 +94,7 @@ def build_decode(
         mode=ForwardMode.DECODE,
         batch_size=len(reqs),
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device),
+        positions=_decode_positions(reqs, bool(getattr(runner, "uses_mrope", False)), device),
         req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         seq_lens_cpu=seq_lens,
@@ -97,6 +106,14 @@ def build_decode(
     )
 
 
+def _decode_positions(reqs: list[Req], mrope: bool, device: torch.device) -> torch.Tensor:
+    """Each request's next position ``kv_len``; with M-RoPE ``kv_len + delta`` on all three rows."""
+    if not mrope:
+        return torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
+    pos = [r.kv_len + (r.mm_inputs.mrope_position_delta if r.mm_inputs is not None else 0) for r in reqs]
+    return torch.tensor(pos, dtype=torch.int64, device=device).expand(3, len(reqs)).contiguous()
+
+
 def record_prompt_logprobs(reqs: list[Req], logits: torch.Tensor, plan: LogitsPlan) -> None:
     """Append each request's prompt logprobs (and top logprobs) from its rows of ``logits``."""
     if not plan.prompt_rows:
@@ -105,14 +122,21 @@ def record_prompt_logprobs(reqs: list[Req], logits: torch.Tensor, plan: LogitsPl
     for rid, (row, n, first_pos) in plan.prompt_rows.items():
         r = by_rid[rid]
         logp = torch.log_softmax(logits[row : row + n], dim=-1)
-        targets = torch.tensor(r.input_ids[first_pos + 1 : first_pos + 1 + n], device=logp.device)
-        r.input_logprobs.extend(logp.gather(1, targets[:, None]).squeeze(1).tolist())
+        target_ids = r.input_ids[first_pos + 1 : first_pos + 1 + n]
+        # An image token (pad id) is no vocabulary entry: its position reports None everywhere.
+        pads = [is_pad_id(t) for t in target_ids] if r.mm_inputs is not None else [False] * n
+        targets = torch.tensor([0 if p else t for t, p in zip(target_ids, pads, strict=True)], device=logp.device)
+        values = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+        r.input_logprobs.extend(None if p else v for v, p in zip(values, pads, strict=True))
         if r.top_logprobs_num:
             vals, ids = logp.topk(r.top_logprobs_num, dim=-1)
             r.input_top_logprobs.extend(
-                [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+                None if p else list(zip(i, v, strict=True))
+                for i, v, p in zip(ids.tolist(), vals.tolist(), pads, strict=True)
             )
         if r.token_ids_logprob:
             watched = r.token_ids_logprob
             rows = logp[:, torch.tensor(watched, device=logp.device)].tolist()
-            r.input_token_ids_logprobs.extend([list(zip(watched, row, strict=True)) for row in rows])
+            r.input_token_ids_logprobs.extend(
+                None if p else list(zip(watched, row, strict=True)) for row, p in zip(rows, pads, strict=True)
+            )

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from framework.multimodal.inputs import MultimodalInputs, is_pad_id
 from framework.sampling.params import SamplingParams
 
 
@@ -48,6 +49,10 @@ class Req:
     """Scheduling priority for policies that read it (None: the policy's default)."""
     token_ids_logprob: list[int] | None = None
     """Report the logprobs of these token ids at every output position (SGLang's field)."""
+    mm_inputs: MultimodalInputs | None = None
+    """Images of a multimodal prompt: their spans in ``input_ids`` hold pad ids (``>= 2**30``,
+    never a vocabulary index), their pixels and M-RoPE positions ride along to the model. Kept
+    through retraction: a re-prefill encodes the images again."""
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
@@ -89,6 +94,14 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Every token whose KV the request needs before it can sample its next token."""
         return self.input_ids + self.output_ids
+
+    @property
+    def text_input_ids(self) -> list[int]:
+        """``input_ids`` without image pad ids: what may index a vocabulary-sized tensor
+        (repetition penalty, detokenizer context). The list itself for a text-only prompt."""
+        if self.mm_inputs is None:
+            return self.input_ids
+        return [t for t in self.input_ids if not is_pad_id(t)]
 
     @property
     def seq_len(self) -> int:

@@ -127,7 +127,13 @@ class Scheduler:
                                          self.settings.server.enable_custom_logit_processor, self.plugins.registry)
         except ValueError as exc:
             raise AdmissionError(str(exc)) from None
-        if any(not 0 <= t < self.runner.vocab_size for t in req.input_ids):
+        if req.mm_inputs is not None:
+            if req.mm_inputs.items and not getattr(self.runner.model, "accepts_mm_inputs", False):
+                raise AdmissionError(f"model {self.runner.architecture} does not take images")
+            problem = req.mm_inputs.check_ids(req.input_ids, self.runner.vocab_size)
+            if problem:
+                raise AdmissionError(problem)
+        elif any(not 0 <= t < self.runner.vocab_size for t in req.input_ids):
             raise AdmissionError(f"input_ids must be in [0, {self.runner.vocab_size})")
         total = len(req.input_ids) + sp.max_new_tokens
         if len(req.input_ids) >= self.context_len:
@@ -342,7 +348,7 @@ class Scheduler:
         pending = pending_one or [False] * len(reqs)
         outputs = [r.output_ids + [0] if p else r.output_ids for r, p in zip(reqs, pending, strict=True)]
         info = SamplingBatchInfo.build(
-            [r.sampling_params for r in reqs], [r.input_ids for r in reqs], outputs,
+            [r.sampling_params for r in reqs], [r.text_input_ids for r in reqs], outputs,
             [r.eos_token_ids for r in reqs], self.runner.vocab_size, self.runner.device,
         )
         info.token_bitmask = self.grammar.bitmask(reqs)
