@@ -60,14 +60,14 @@ async def _prompts(server: ServerState, body: GenerateRequest) -> tuple[list[lis
     prompts: list[list[int]] = []
     wires: list[Any] = []
     for prompt, sources in zip(raw, images, strict=True):
-        if sources and frontend is not None:
-            ids, mm = await frontend.process(prompt, sources, where)
-            prompts.append(ids)
+        ids = await server.builder.tokenize(prompt, "text") if isinstance(prompt, str) else prompt
+        if sources and frontend is not None:  # the model's image token, once per image, becomes its span
+            ids, mm = await frontend.process(ids, sources, where)
             wires.append(frontend.wire(mm))
         else:
-            prompts.append(await server.builder.tokenize(prompt, "text") if isinstance(prompt, str) else prompt)
+            server.builder.check_ids(ids, where)
             wires.append(None)
-            server.builder.check_ids(prompts[-1], where)
+        prompts.append(ids)
     return prompts, wires, single
 
 

@@ -7,13 +7,14 @@ has no processor, and any image sent to it is a 400.
 
 On a PD decode server (``disaggregation.mode=decode``) the processor still runs, for the padded
 ids (their length sizes the KV reservation, and their hash-derived pad ids key the radix cache
-exactly as on the prefill side), but nothing multimodal is sent to the scheduler: the prefill
-server ran the vision encoder, and the M-RoPE position delta arrives with the KV.
+exactly as on the prefill side), but no pixels go to the scheduler: the prefill server ran the
+vision encoder, and the M-RoPE position delta arrives with the KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from framework.multimodal.inputs import MultimodalInputs
@@ -45,9 +46,10 @@ class ImageFrontend:
             raise bad_request(f"this model ({self.architecture or 'text-only'}) does not take images: it has no "
                               "multimodal processor", param, "images_not_supported")
 
-    async def process(self, prompt: str | list[int], sources: list[ImageSource],
+    async def process(self, prompt: list[int], sources: list[ImageSource],
                       param: str) -> tuple[list[int], MultimodalInputs]:
-        """Fetch, decode and process ``sources`` for ``prompt`` (one placeholder per image)."""
+        """Fetch, decode and process ``sources`` for the token ids ``prompt``, which hold the
+        model's image token once per image (routes tokenize as for a text-only prompt first)."""
         self.require(param)
         raw = await self.loader.load(sources)
 
@@ -63,9 +65,14 @@ class ImageFrontend:
         return await asyncio.to_thread(work)
 
     def wire(self, mm: MultimodalInputs | None) -> WireMultimodal | None:
-        """What the scheduler receives for ``mm`` (nothing on a PD decode server)."""
-        if mm is None or not self.send_inputs:
+        """What the scheduler receives for ``mm``; on a PD decode server without pixels."""
+        if mm is None:
             return None
+        if not self.send_inputs:
+            # The spans (hash-derived pad ids) let admission check the ids and key the radix
+            # cache; the positions are a few bytes per token. Pixels stay here: the prefill server
+            # encodes, and its M-RoPE delta arrives with the KV (framework.disaggregation).
+            mm = replace(mm, items=[replace(i, pixel_values=i.pixel_values[:0]) for i in mm.items])
         return to_wire(mm)
 
 

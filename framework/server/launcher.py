@@ -44,6 +44,7 @@ from framework.server import scheduler_process
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
+    from framework.server.image_inputs import ImageFrontend
     from framework.server.metrics import ServerMetrics
     from framework.server.tokenizer_manager import TokenizerManager
 
@@ -205,8 +206,25 @@ def _make_app(cfg: DictConfig, settings: PlugserveConfig, tokenizer: Any, manage
     state = ServerState(cfg=cfg, settings=settings, tokenizer=tokenizer, manager=manager, builder=builder,
                         metrics=metrics, model_info=info, token_text=TokenText(tokenizer),
                         model_name=served_model_name(settings), tool_parser=tool_parser,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, images=_image_frontend(settings, tokenizer))
     return build_app(state)
+
+
+def _image_frontend(settings: PlugserveConfig, tokenizer: Any) -> ImageFrontend:
+    """The model's multimodal processor (None for a text-only model) behind the image limits; it
+    runs here, in the HTTP process, so the scheduler never decodes an image."""
+    from framework.models.loader import load_hf_config
+    from framework.multimodal.factory import build_processor
+    from framework.server.image_inputs import ImageFrontend
+    from framework.server.images import ImageLoader
+
+    model = settings.model
+    hf_config = load_hf_config(model.path)
+    processor = None if tokenizer is None else build_processor(os.fspath(model.path), hf_config, tokenizer,
+                                                               model.architecture)
+    arch = model.architecture or (getattr(hf_config, "architectures", None) or [""])[0]
+    decode = settings.disaggregation.mode is not None and settings.disaggregation.mode.value == "decode"
+    return ImageFrontend(processor, ImageLoader(settings.server), arch, send_inputs=not decode)
 
 
 def _dead(procs: list[BaseProcess]) -> str:

@@ -174,12 +174,12 @@ async def _chat_prompt(server: ServerState, body: ChatCompletionRequest,
     images: list[ImageSource] | None = [] if frontend is not None else None
     refusal = f"this model ({server.images.architecture if server.images else 'text-only'}) does not take images"
     messages = template_messages([message_dict(i, m, images, refusal) for i, m in enumerate(body.messages)])
-    text = render_chat(server.tokenizer, messages, tools=tools)
+    ids = await server.builder.tokenize_rendered(render_chat(server.tokenizer, messages, tools=tools))
     if frontend is None or not images:
-        ids = await server.builder.tokenize_rendered(text)
         server.builder.check_ids(ids, "messages")
         return ids, None
-    ids, mm = await frontend.process(text, images, "messages")
+    # Tokenized exactly as a text-only chat, then each placeholder expanded to its image's span.
+    ids, mm = await frontend.process(ids, images, "messages")
     return ids, frontend.wire(mm)
 
 

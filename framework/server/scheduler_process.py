@@ -102,6 +102,7 @@ class SchedulerLoop:
         from framework.sampling.params import SamplingParams
         from framework.scheduler.request import Req
         from framework.scheduler.scheduler import AdmissionError, UnavailableError
+        from framework.server.mm_wire import from_wire
 
         added: list[str] = []
         group = batch.reqs[0].rid if len(batch.reqs) > 1 else None  # unique while any of them lives
@@ -121,6 +122,7 @@ class SchedulerLoop:
                     group=group,
                     priority=g.priority,
                     token_ids_logprob=g.token_ids_logprob,
+                    mm_inputs=from_wire(g.mm_inputs) if g.mm_inputs is not None else None,
                 )
                 self.scheduler.add_request(req)
                 added.append(g.rid)
