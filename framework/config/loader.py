@@ -176,8 +176,6 @@ def _check_values(cfg: DictConfig) -> None:
          "1 when parallel.dp_size > 1 (data parallelism runs on one host; put servers on several hosts "
          "behind plugserve router)"),
         ("parallel.tp_size", cfg.parallel.tp_size >= 1, ">= 1"),
-        ("parallel.tp_size", cfg.parallel.tp_size == 1 or cfg.disaggregation.mode is None,
-         "1 with disaggregation.mode prefill or decode (prefill/decode across TP sizes is not built yet)"),
         ("parallel.nnodes", cfg.parallel.nnodes >= 1 and cfg.parallel.tp_size % cfg.parallel.nnodes == 0,
          f">= 1 and divide parallel.tp_size ({cfg.parallel.tp_size}): each host runs tp_size / nnodes ranks"),
         ("parallel.node_rank", 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes,

@@ -63,12 +63,21 @@ def merge_page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[
 
 
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:
-    """Both sides must hold the same model's KV in the same format."""
-    if src.num_buffers != dst.num_buffers or src.bytes_per_page != dst.bytes_per_page:
-        raise ValueError(
-            f"incompatible KV layouts: {src.num_buffers} buffers x {src.bytes_per_page} bytes/page "
-            f"vs {dst.num_buffers} x {dst.bytes_per_page}"
-        )
+    """Both sides must hold the same model's KV in the same format, and move as many bytes per
+    token slot as the other takes (the same heads)."""
+    if src.identity is not None and dst.identity is not None:
+        why = src.identity.mismatch(dst.identity)
+        if why:
+            raise ValueError(f"the two servers hold different models' KV: {why}")
+    if src.num_buffers != dst.num_buffers:
+        raise ValueError(f"incompatible KV layouts: {src.num_buffers} buffers vs {dst.num_buffers}")
+    if src.whole and dst.whole:
+        if src.bytes_per_page != dst.bytes_per_page:
+            raise ValueError(f"incompatible KV layouts: {src.num_buffers} buffers x {src.bytes_per_page} bytes/page "
+                             f"vs {dst.num_buffers} x {dst.bytes_per_page}")
+    elif src.page_size != dst.page_size or src.moved_token_bytes != dst.moved_token_bytes:
+        raise ValueError(f"incompatible head slices: {src.page_size} tokens/page x {src.moved_token_bytes} bytes vs "
+                         f"{dst.page_size} x {dst.moved_token_bytes}")
 
 
 def check_pages(layout: KVLayout, pages: Sequence[int], side: str) -> None:
@@ -78,19 +87,38 @@ def check_pages(layout: KVLayout, pages: Sequence[int], side: str) -> None:
 
 
 def transfer_spans(src: KVLayout, dst: KVLayout, runs: Sequence[PageRun]) -> list[TransferSpan]:
-    """Every copy the runs take, buffer by buffer (layer 0 K, layer 0 V, layer 1 K, ...)."""
+    """Every copy the runs take, buffer by buffer (layer 0 K, layer 0 V, layer 1 K, ...): one per
+    run when both sides move whole pages, else one per token slot (a head slice is strided: the
+    heads of one token are contiguous, the next token's are ``token_bytes`` further on)."""
     check_compatible(src, dst)
-    bpp = src.bytes_per_page
     for run in runs:
         check_pages(src, range(run.src_page, run.src_page + run.num_pages), "source")
         check_pages(dst, range(run.dst_page, run.dst_page + run.num_pages), "destination")
+    if src.whole and dst.whole:
+        bpp = src.bytes_per_page
+        return [
+            TransferSpan(
+                buffer=i,
+                src_addr=page_address(src.ptrs[i], run.src_page, bpp),
+                dst_addr=page_address(dst.ptrs[i], run.dst_page, bpp),
+                nbytes=run.num_pages * bpp,
+            )
+            for i in range(src.num_buffers)
+            for run in runs
+        ]
+    ps, n = src.page_size, src.moved_token_bytes
     return [
-        TransferSpan(
-            buffer=i,
-            src_addr=page_address(src.ptrs[i], run.src_page, bpp),
-            dst_addr=page_address(dst.ptrs[i], run.dst_page, bpp),
-            nbytes=run.num_pages * bpp,
-        )
+        TransferSpan(buffer=i,
+                     src_addr=src.ptrs[i] + (run.src_page * ps + t) * src.token_bytes + src.slice_offset,
+                     dst_addr=dst.ptrs[i] + (run.dst_page * ps + t) * dst.token_bytes + dst.slice_offset,
+                     nbytes=n)
         for i in range(src.num_buffers)
         for run in runs
+        for t in range(run.num_pages * ps)
     ]
+
+
+def slice_slots(layout: KVLayout, pages: Sequence[int]) -> list[int]:
+    """The token slots of ``pages`` in page order (what a head-slice copy gathers or scatters)."""
+    ps = layout.page_size
+    return [p * ps + t for p in pages for t in range(ps)]

@@ -12,11 +12,13 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 import torch
+
+from framework.disaggregation.heads import ModelIdentity
 
 ROLES = ("prefill", "decode")
 
@@ -78,17 +80,36 @@ class TransferTask:
         if not self.state.final:
             self.advance(TransferState.failed, error)
 
-    def check_timeout(self, bootstrap_timeout_s: float, transfer_timeout_s: float, now: float | None = None) -> bool:
-        """Fail the task if it stayed too long in its state; True if it is (now) failed."""
+    def overdue(self, bootstrap_timeout_s: float, transfer_timeout_s: float, now: float | None = None) -> str | None:
+        """Why the task has stayed too long in its state (None if it has not, or is final)."""
         if self.state.final:
-            return self.state is TransferState.failed
+            return None
         waited = (time.monotonic() if now is None else now) - self.since
         if self.state is TransferState.transferring:
             if waited > transfer_timeout_s:
-                self.fail(f"KV transfer timed out after {transfer_timeout_s:g} s (room {self.room})")
+                return f"KV transfer timed out after {transfer_timeout_s:g} s (room {self.room})"
         elif waited > bootstrap_timeout_s:
-            self.fail(f"bootstrap timed out after {bootstrap_timeout_s:g} s in {self.state.value} (room {self.room})")
+            return f"bootstrap timed out after {bootstrap_timeout_s:g} s in {self.state.value} (room {self.room})"
+        return None
+
+    def check_timeout(self, bootstrap_timeout_s: float, transfer_timeout_s: float, now: float | None = None) -> bool:
+        """Fail the task if it stayed too long in its state; True if it is (now) failed."""
+        error = self.overdue(bootstrap_timeout_s, transfer_timeout_s, now)
+        if error is not None:
+            self.fail(error)
         return self.state is TransferState.failed
+
+    def follow(self, state: TransferState, error: str | None = None) -> None:
+        """Catch up with ``state`` (agreed by the ranks), through the states in between; a state
+        behind this one, or any after a final one, changes nothing."""
+        if self.state.final or state is self.state:
+            return
+        if state is TransferState.failed:
+            self.fail(error or "the KV transfer failed")
+            return
+        order = list(_NEXT)[:4]  # bootstrapping, waiting_for_input, transferring, success
+        for nxt in order[order.index(self.state) + 1 : order.index(state) + 1]:
+            self.advance(nxt)
 
 
 @dataclass(frozen=True)
@@ -99,6 +120,12 @@ class KVLayout:
     address; page ``p`` of buffer ``i`` starts at ``ptrs[i] + p * bytes_per_page``. ``buffers``
     (same order, flat uint8 views) is for backends that move tensors rather than raw addresses;
     it never leaves the process (``to_json`` drops it).
+
+    A page holds ``page_size`` token slots of ``token_bytes`` each (``heads`` KV heads side by
+    side). A link between ranks of different TP sizes moves only some heads: ``slice_offset`` and
+    ``slice_bytes`` say which bytes of each token slot (0 bytes: all of them, whole pages).
+    ``identity`` is the model the KV belongs to; two layouts with identities are compatible only
+    when the identities are equal.
     """
 
     ptrs: tuple[int, ...]
@@ -107,9 +134,17 @@ class KVLayout:
     """Pages per buffer including the padding page 0 (valid page indices: 0 .. num_pages - 1)."""
     device: str = "cpu"
     buffers: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
+    page_size: int = 0
+    """Token slots per page (0: not described; only whole pages can move)."""
+    heads: int = 0
+    """KV heads per token slot on this rank (0: not described)."""
+    slice_offset: int = 0
+    slice_bytes: int = 0
+    """Bytes of each token slot a link moves, from ``slice_offset`` (0: the whole slot)."""
+    identity: ModelIdentity | None = None
 
     @classmethod
-    def from_cache(cls, cache: Any) -> KVLayout:
+    def from_cache(cls, cache: Any, identity: ModelIdentity | None = None) -> KVLayout:
         """The layout of a ``framework.memory.kv_cache.KVCache``."""
         k_ptrs, v_ptrs = cache.buffer_pointers()
         ptrs = tuple(p for pair in zip(k_ptrs, v_ptrs, strict=True) for p in pair)
@@ -118,7 +153,8 @@ class KVLayout:
             for pair in zip(cache.k_buffers, cache.v_buffers, strict=True)
             for b in pair
         )
-        return cls(ptrs, cache.bytes_per_page, cache.num_pages + 1, str(cache.device), bufs)
+        return cls(ptrs, cache.bytes_per_page, cache.num_pages + 1, str(cache.device), bufs,
+                   page_size=cache.page_size, heads=cache.num_kv_heads, identity=identity)
 
     @property
     def num_buffers(self) -> int:
@@ -128,14 +164,47 @@ class KVLayout:
     def buffer_bytes(self) -> int:
         return self.num_pages * self.bytes_per_page
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token slot in one buffer (all of this rank's heads)."""
+        return self.bytes_per_page // self.page_size if self.page_size else self.bytes_per_page
+
+    @property
+    def moved_token_bytes(self) -> int:
+        """Bytes of each token slot a transfer moves."""
+        return self.slice_bytes or self.token_bytes
+
+    @property
+    def whole(self) -> bool:
+        """True when a transfer moves whole pages (contiguous runs), not head slices."""
+        return self.slice_bytes in (0, self.token_bytes)
+
+    def sliced(self, head_start: int, head_end: int) -> KVLayout:
+        """This layout moving only local heads ``[head_start, head_end)`` of each token slot."""
+        if not self.heads or not self.page_size:
+            raise ValueError("a head slice needs a layout that describes its heads and page size")
+        if not 0 <= head_start < head_end <= self.heads:
+            raise ValueError(f"heads [{head_start}, {head_end}) are not within this rank's {self.heads}")
+        head_bytes = self.token_bytes // self.heads
+        return replace(self, slice_offset=head_start * head_bytes, slice_bytes=(head_end - head_start) * head_bytes)
+
     def to_json(self) -> dict[str, Any]:
-        return {"ptrs": list(self.ptrs), "bytes_per_page": self.bytes_per_page,
-                "num_pages": self.num_pages, "device": self.device}
+        data: dict[str, Any] = {"ptrs": list(self.ptrs), "bytes_per_page": self.bytes_per_page,
+                                "num_pages": self.num_pages, "device": self.device, "page_size": self.page_size,
+                                "heads": self.heads, "slice_offset": self.slice_offset,
+                                "slice_bytes": self.slice_bytes}
+        if self.identity is not None:
+            data["identity"] = self.identity.to_json()
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> KVLayout:
+        identity = data.get("identity")
         return cls(tuple(int(p) for p in data["ptrs"]), int(data["bytes_per_page"]),
-                   int(data["num_pages"]), str(data.get("device", "cpu")))
+                   int(data["num_pages"]), str(data.get("device", "cpu")), page_size=int(data.get("page_size", 0)),
+                   heads=int(data.get("heads", 0)), slice_offset=int(data.get("slice_offset", 0)),
+                   slice_bytes=int(data.get("slice_bytes", 0)),
+                   identity=None if identity is None else ModelIdentity.from_json(identity))
 
 
 class TransferBackend(ABC):

@@ -8,7 +8,9 @@ A tiny JSON-over-HTTP server (stdlib, one thread per connection) on
   registers its transfer endpoint (what ``TransferBackend.endpoint()`` returned).
 - ``GET /endpoints?role=prefill``: ``{"endpoints": {"<rank>": endpoint}}``.
 - ``POST /rooms/<room>`` ``{"dst_pages": [int, ...], "rank": int}``: a decode rank says where the
-  KV of request ``room`` goes; the prefill scheduler takes it with ``take_room``.
+  KV of request ``room`` goes; the prefill scheduler takes it with ``take_room``. Or
+  ``{"error": str}``: the decode server gave the room up (e.g. the two servers hold different
+  models' KV); the prefill scheduler fails it with that message (``take_error``).
 
 Only JSON is accepted (never pickle); malformed bodies get a 400 with the reason.
 """
@@ -61,6 +63,10 @@ def parse_registration(body: Any) -> tuple[str, int, dict[str, Any]]:
 def parse_room(body: Any) -> tuple[list[int], int]:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    if "error" in body:
+        if not isinstance(body["error"], str):
+            raise BadRequest("error must be a string")
+        return [], -1
     pages = body.get("dst_pages")
     if not isinstance(pages, list) or not pages:
         raise BadRequest("dst_pages must be a non-empty list of page indices")
@@ -74,6 +80,7 @@ class BootstrapService:
         self._lock = threading.Lock()
         self._endpoints: dict[str, dict[int, dict[str, Any]]] = {role: {} for role in ROLES}
         self._rooms: dict[int, tuple[list[int], int]] = {}
+        self._errors: dict[int, str] = {}
         self._server = ThreadingHTTPServer((host, port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -108,6 +115,15 @@ class BootstrapService:
         with self._lock:
             self._rooms[room] = (dst_pages, rank)
 
+    def post_error(self, room: int, error: str) -> None:
+        with self._lock:
+            self._errors[room] = error
+
+    def take_error(self, room: int) -> str | None:
+        """Why the decode side gave ``room`` up (removed from the table), or None."""
+        with self._lock:
+            return self._errors.pop(room, None)
+
     def take_room(self, room: int) -> tuple[list[int], int] | None:
         """The destination posted for ``room`` (removed from the table), or None if not yet."""
         with self._lock:
@@ -117,6 +133,7 @@ class BootstrapService:
         """Forget every posted destination (their decode peer is gone)."""
         with self._lock:
             self._rooms.clear()
+            self._errors.clear()
 
     def num_rooms(self) -> int:
         with self._lock:
@@ -171,7 +188,12 @@ def _handler_for(service: BootstrapService) -> type[BaseHTTPRequestHandler]:
                         room = int(path.removeprefix("/rooms/"))
                     except ValueError:
                         raise BadRequest("the room must be an integer") from None
-                    service.post_room(room, *parse_room(self._body()))
+                    body = self._body()
+                    pages, rank = parse_room(body)
+                    if rank < 0:
+                        service.post_error(room, body["error"])
+                    else:
+                        service.post_room(room, pages, rank)
                 else:
                     self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {path}"})
                     return
@@ -210,3 +232,6 @@ class BootstrapClient:
 
     def post_room(self, room: int, dst_pages: list[int], rank: int = 0) -> None:
         self._http.post(f"/rooms/{room}", json={"dst_pages": dst_pages, "rank": rank}).raise_for_status()
+
+    def post_error(self, room: int, error: str) -> None:
+        self._http.post(f"/rooms/{room}", json={"error": error}).raise_for_status()

@@ -8,10 +8,16 @@ then its KV stays allocated, and the leak report counts it as held. A failed req
 the backend may still be reading (a send that timed out but has not stopped) keeps its KV until
 the backend is quiescent for its room, so no other request's KV goes out under its name.
 
-Decode servers come and go: each decode backend registers with a fresh ``pd_session`` id. When a
-new session registers, or the link breaks, this side fails the rooms in flight on the old link,
-builds a fresh backend (a new link) and advertises, with its endpoint, the session it accepts
-(``pd_peer_session``); a decode server connects only once it sees its own session there.
+Tensor parallelism: every rank runs this side. Rank 0 hosts the bootstrap service and registers
+every rank (TP rank, size, KV heads, model identity, its links' endpoints). Each rank sends its
+own heads to the decode ranks that need them (``framework.disaggregation.links``); the ranks agree
+each step on what happened (``framework.disaggregation.agreement``), so a room finishes, fails or
+is sent on every rank in the same step.
+
+Decode servers come and go: each decode server registers with a fresh ``pd_session`` id. When a
+new session registers (all its ranks), or a link breaks, this side fails the rooms in flight on
+the old links, builds fresh links for the new peer and advertises, with its endpoints, the session
+it accepts (``pd_peer_session``); a decode server connects only once it sees its own session there.
 """
 
 from __future__ import annotations
@@ -26,9 +32,19 @@ from typing import Any
 import torch
 
 from framework.disaggregation.addressing import pages_of_slots
-from framework.disaggregation.base import TransferBackend, TransferState, TransferTask
+from framework.disaggregation.agreement import RankAgreement, merge_rooms
+from framework.disaggregation.base import TransferState, TransferTask
 from framework.disaggregation.bootstrap import BootstrapService
-from framework.disaggregation.common import FirstToken, build_backend, encode_first_token, room_of
+from framework.disaggregation.common import (
+    FirstToken,
+    build_backend,
+    encode_first_token,
+    rank_kv,
+    registration,
+    room_of,
+)
+from framework.disaggregation.heads import ModelIdentity, RankShard, all_shards
+from framework.disaggregation.links import RankLinks
 from framework.scheduler.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -43,34 +59,51 @@ class _Outgoing:
     room: int
     meta: bytes
     task: TransferTask
+    """The room's agreed state (the same on every rank)."""
     sent: bool = False
     aborted: str | None = None
-    backend: TransferBackend | None = None
-    """The backend the room was sent on (it may since have been replaced by a fresh link)."""
+    links: RankLinks | None = None
+    """The links the room was sent on (they may since have been replaced)."""
+    released: bool = False
+    """Released on its links after it went final; it completes once they are quiescent."""
 
 
 class PrefillSide:
-    """Bootstrap service + sender backend + the requests whose KV is on its way out."""
+    """Bootstrap service (rank 0) + this rank's links + the requests whose KV is on its way out."""
 
     def __init__(self, scheduler: Any) -> None:
         self.sched = scheduler
         self.cfg = scheduler.settings.disaggregation
-        self.backend = build_backend(scheduler.settings, "prefill", scheduler.runner.kv_cache)
-        self.service = BootstrapService(self.cfg.bootstrap_host, self.cfg.bootstrap_port).start()
+        self.layout, self.shard = rank_kv(scheduler)
+        self.agree = RankAgreement()
+        self.service = (BootstrapService(self.cfg.bootstrap_host, self.cfg.bootstrap_port).start()
+                        if self.agree.leader else None)
         self.session = uuid.uuid4().hex
-        """This server's identity in its endpoint: a decode server notices a restarted prefill."""
+        """This server's identity in its endpoints (rank 0's): a decode server notices a restart."""
         self.peer_session: str | None = None
-        """The decode backend session this side's link belongs to (None: never connected)."""
-        self.connected = False
+        """The decode session this side's links belong to (None: not linked)."""
+        self.links: RankLinks | None = None
         self.outgoing: dict[int, _Outgoing] = {}
+        self._advertised = False
+        self._link_failure: str | None = None
         self._dead_sessions: set[str] = set()
-        """Decode sessions whose link broke: their registration may linger, never reconnect to it."""
+        """Decode sessions whose link broke: their registration may linger, never relink to it."""
         self._retired: list[threading.Thread] = []
         self._advertise()
 
-    def _advertise(self) -> None:
-        endpoint = {**self.backend.endpoint(), "pd_session": self.session, "pd_peer_session": self.peer_session}
-        self.service.register("prefill", 0, endpoint)
+    @property
+    def identity(self) -> ModelIdentity:
+        assert self.layout.identity is not None
+        return self.layout.identity
+
+    def _advertise(self, links: list[dict[str, Any]] | None = None) -> None:
+        """Rank 0: register every rank (with its links' endpoints once they exist)."""
+        if self.service is None:
+            return
+        for shard in all_shards(self.identity.num_kv_heads, self.shard.tp_size):
+            eps = links[shard.tp_rank] if links else {}
+            self.service.register("prefill", shard.tp_rank,
+                                  registration(shard, self.identity, self.session, self.peer_session, eps))
 
     # -- the PDSide protocol (framework.scheduler.pd) ---------------------------------------
 
@@ -93,92 +126,165 @@ class PrefillSide:
                 meta.input_top_logprobs = list(r.input_top_logprobs) if r.top_logprobs_num else None
             r.first_token_time = time.monotonic()
             room = room_of(r)
-            state = TransferState.waiting_for_input if self.connected else TransferState.bootstrapping
-            task = TransferTask(room, state)
-            self.outgoing[room] = _Outgoing(r, room, encode_first_token(meta), task)
+            state = TransferState.waiting_for_input if self.links is not None else TransferState.bootstrapping
+            self.outgoing[room] = _Outgoing(r, room, encode_first_token(meta), TransferTask(room, state))
             r.output_ids.append(ids[i])  # reported to the client of this server when finished
             if meta.logprob is not None:
                 r.output_logprobs.append(meta.logprob)
         return True
 
-    def _follow_decode(self) -> bool:
-        """Drop a broken link; connect to a newly registered decode session."""
-        err = self.backend.link_error() if self.connected else None
-        if err is not None:
-            self._reset(f"the KV transfer link to the decode server broke: {err}")
-        peer = self.service.endpoints("decode").get(0)
-        session = None if peer is None else peer.get("pd_session")
-        if peer is None or session == self.peer_session or session in self._dead_sessions:
-            return err is not None
-        if self.connected:  # a decode server (re)started: the old link is dead
-            self._reset("a decode server registered anew: the previous decode peer is gone")
-        self.peer_session = session
-        self._advertise()
-        logger.info("linking to decode session %s", session)
-        self.backend.connect(peer)
-        self.connected = True
-        for o in self.outgoing.values():
-            if o.task.state is TransferState.bootstrapping:
-                o.task.advance(TransferState.waiting_for_input)
-        return True
-
-    def _reset(self, reason: str) -> None:
-        """Fail the rooms in flight on the current link and start a fresh backend."""
-        old = self.backend
-        logger.warning("%s; building a fresh %s link", reason, self.cfg.transfer_backend)
-        for o in self.outgoing.values():
-            if o.sent and o.backend is old:
-                old.poll(o.room).fail(reason)
-        self.service.clear_rooms()  # destinations posted by the old peer are no one's now
-        self.backend = build_backend(self.sched.settings, "prefill", self.sched.runner.kv_cache)
-        self.connected = False
-        if self.peer_session is not None:  # a live decode re-registers under a new session
-            self._dead_sessions.add(self.peer_session)
-        self.peer_session = None
-        self._advertise()
-        # close() may wait for a worker blocked on the dead peer: not on the scheduler thread
-        t = threading.Thread(target=old.close, name="pd-retire-backend", daemon=True)
-        t.start()
-        self._retired = [*(r for r in self._retired if r.is_alive()), t]
+    # -- one step: report, agree, apply ------------------------------------------------------
 
     def step(self) -> None:
-        """Follow the decode side, send rooms whose destination arrived, finish final ones."""
-        progressed = self._follow_decode()
-        for o in list(self.outgoing.values()):
-            if not o.sent and o.aborted is None:
-                progressed |= self._try_send(o)
-            task = o.backend.poll(o.room) if o.sent and o.backend is not None else o.task
-            task.check_timeout(self.cfg.bootstrap_timeout_s, self.cfg.transfer_timeout_s)
-            if o.sent and o.backend is not None and task.state.final and not o.backend.quiescent(o.room):
-                continue  # the sender still reads these pages: they stay this request's until it stops
-            if task.state.final or (o.aborted is not None and not o.sent):
-                self._complete(o, task)
-                progressed = True
+        """Agree with the other ranks on what happened, then link, send and finish alike."""
+        decision = self.agree.exchange(self._report(), self._decide)
+        progressed = self._apply(decision)
         if not progressed and self.outgoing and not (self.sched.waiting or self.sched.running):
             time.sleep(IDLE_POLL_S)
 
-    def _try_send(self, o: _Outgoing) -> bool:
-        if not self.connected:
-            return False
-        posted = self.service.take_room(o.room)
-        if posted is None:
-            return False
-        dst_pages, _rank = posted
+    def _report(self) -> dict[str, Any]:
+        rooms = {}
+        for o in self.outgoing.values():
+            if o.sent and o.links is not None:
+                state, error = o.links.status(o.room) if not o.released else (TransferState.failed, None)
+                rooms[o.room] = [state.value, error, o.links.quiescent(o.room)]
+        error = self._link_failure or (self.links.link_error() if self.links is not None else None)
+        links = self.links.endpoints() if self.links is not None and not self._advertised else None
+        return {"rooms": rooms, "link_error": error, "links": links}
+
+    def _decide(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        """Rank 0: fold the ranks' reports, the bootstrap service and its clock into one decision."""
+        assert self.service is not None
+        d: dict[str, Any] = {"rooms": merge_rooms(reports), "fail": {}, "send": {}}
+        errors = [r["link_error"] for r in reports if r["link_error"]]
+        if errors:
+            d["reset"] = f"the KV transfer link to the decode server broke: {errors[0]}"
+        elif self.links is not None and not self._advertised and all(r["links"] is not None for r in reports):
+            self._advertise([r["links"] for r in reports])
+            d["advertised"] = True
+        if "reset" not in d:
+            link = self._new_decode_session()
+            if link is not None:
+                d["link"] = link
+        linked = self.links is not None and "reset" not in d and "link" not in d
+        for o in self.outgoing.values():
+            if linked and not o.sent and o.aborted is None:
+                error = self.service.take_error(o.room)
+                posted = self.service.take_room(o.room)
+                if error is not None:
+                    d["fail"][o.room] = f"the decode server gave up room {o.room}: {error}"
+                elif posted is not None:
+                    d["send"][o.room] = posted[0]
+            overdue = o.task.overdue(self.cfg.bootstrap_timeout_s, self.cfg.transfer_timeout_s)
+            if overdue is not None:
+                d["fail"][o.room] = overdue
+        return d
+
+    def _new_decode_session(self) -> dict[str, Any] | None:
+        """A decode server whose every rank registered under a session not linked yet."""
+        assert self.service is not None
+        eps = self.service.endpoints("decode")
+        first = eps.get(0)
+        if first is None or "shard" not in first:
+            return None
+        session, size = first.get("pd_session"), int(first["shard"]["tp_size"])
+        if session == self.peer_session or session in self._dead_sessions:
+            return None
+        if any(eps.get(r, {}).get("pd_session") != session for r in range(size)):
+            return None  # its other ranks are still registering
+        return {"session": session, "peers": [{"shard": eps[r]["shard"], "links": eps[r]["links"]}
+                                              for r in range(size)]}
+
+    def _apply(self, d: dict[str, Any]) -> bool:
+        progressed = False
+        if "reset" in d:
+            self._reset(d["reset"])
+            progressed = True
+        if "link" in d:
+            self._link(d["link"])
+            progressed = True
+        self._advertised |= bool(d.get("advertised"))
+        for room, (state, error, quiescent) in d["rooms"].items():
+            o = self.outgoing.get(room)
+            if o is not None:
+                o.task.follow(TransferState(state), error)
+                if o.released and quiescent:
+                    self._complete(o)
+                    progressed = True
+        for room, error in d["fail"].items():
+            if room in self.outgoing:
+                self.outgoing[room].task.fail(error)
+        for room, dst_pages in d["send"].items():
+            if room in self.outgoing:
+                self._send(self.outgoing[room], dst_pages)
+                progressed = True
+        for o in list(self.outgoing.values()):
+            if not o.sent and (o.task.state.final or o.aborted is not None):
+                self._complete(o)
+                progressed = True
+            elif o.sent and o.task.state.final and not o.released and o.links is not None:
+                o.links.release(o.room)  # queued work for it is skipped; it completes once quiescent
+                o.released = True
+                if self.agree.size == 1 and o.links.quiescent(o.room):
+                    self._complete(o)  # one rank: its own links are the whole truth
+        return progressed
+
+    def _link(self, link: dict[str, Any]) -> None:
+        """Build this rank's links to the decode ranks that need its heads, and connect them."""
+        if self.links is not None:  # a decode server (re)started: the old links are dead
+            self._reset("a decode server registered anew: the previous decode peer is gone")
+        self.peer_session, self._advertised = link["session"], False
+        peers = [RankShard.from_json(p["shard"]) for p in link["peers"]]
+        me = str(self.shard.tp_rank)
+        logger.info("linking to decode session %s (%d ranks)", link["session"], len(peers))
+        try:
+            self.links = RankLinks("prefill", self.layout, self.shard, peers, self._make)
+            self.links.connect({p.tp_rank: link["peers"][p.tp_rank]["links"][me]
+                                for p in peers if me in link["peers"][p.tp_rank]["links"]})
+        except Exception as exc:  # every rank must hear of it: reported, then reset on all ranks
+            logger.error("linking to the decode server failed: %s", exc)
+            self._link_failure = f"linking failed on prefill rank {self.shard.tp_rank}: {exc}"
+            return
+        for o in self.outgoing.values():
+            if o.task.state is TransferState.bootstrapping:
+                o.task.advance(TransferState.waiting_for_input)
+
+    def _make(self, layout: Any) -> Any:
+        return build_backend(self.sched.settings, "prefill", self.sched.runner.kv_cache, layout)
+
+    def _reset(self, reason: str) -> None:
+        """Fail the rooms in flight on the current links and drop them (a new peer relinks)."""
+        old = self.links
+        logger.warning("%s; dropping the %s links", reason, self.cfg.transfer_backend)
+        for o in self.outgoing.values():
+            if o.sent and o.links is old:
+                o.task.fail(reason)
+        if self.service is not None:
+            self.service.clear_rooms()  # destinations posted by the old peer are no one's now
+        if self.peer_session is not None:  # a live decode server re-registers under a new session
+            self._dead_sessions.add(self.peer_session)
+        self.links, self.peer_session, self._advertised, self._link_failure = None, None, False, None
+        self._advertise()
+        if old is not None:  # close() may wait for a worker blocked on the dead peer
+            t = threading.Thread(target=old.close, name="pd-retire-links", daemon=True)
+            t.start()
+            self._retired = [*(r for r in self._retired if r.is_alive()), t]
+
+    def _send(self, o: _Outgoing, dst_pages: list[int]) -> None:
         src_pages = pages_of_slots(o.req.kv_indices(self.sched.kv.req_to_token).tolist(), self.sched.kv.page_size)
         if len(dst_pages) != len(src_pages):
             o.task.fail(f"room {o.room}: the decode side reserved {len(dst_pages)} pages, the prompt has "
                         f"{len(src_pages)}")
-            return True
-        self.backend.send(o.room, src_pages, dst_pages, o.meta)
-        o.sent, o.backend = True, self.backend
-        return True
+            return
+        assert self.links is not None
+        self.links.send(o.room, src_pages, list(dst_pages), o.meta)
+        o.sent, o.links = True, self.links
+        o.task.follow(TransferState.transferring)
 
-    def _complete(self, o: _Outgoing, task: TransferTask) -> None:
+    def _complete(self, o: _Outgoing) -> None:
         del self.outgoing[o.room]
-        if o.backend is not None:
-            o.backend.release(o.room)
-        r = o.req
-        if o.aborted is not None:
+        r, task = o.req, o.task
+        if o.aborted is not None and task.state is not TransferState.success:
             r.finished_reason = FinishReason("abort", message=o.aborted)
         elif task.state is TransferState.success:
             r.finished_reason = FinishReason("length")
@@ -195,7 +301,7 @@ class PrefillSide:
             return False
         o.aborted = message
         if not o.sent:
-            self._complete(o, o.task)
+            self._complete(o)
         return True
 
     # -- introspection ---------------------------------------------------------------------
@@ -207,7 +313,10 @@ class PrefillSide:
         return [o.req for o in self.outgoing.values()]
 
     def close(self) -> None:
-        self.backend.close()
-        self.service.close()
+        if self.links is not None:
+            self.links.close()
+        if self.service is not None:
+            self.service.close()
         for t in self._retired:
             t.join(timeout=5)
+

@@ -127,6 +127,15 @@ class ReplicatedScheduler:
         self.send(["flush"])
         return self.inner.flush_cache()
 
+    def leak_report(self) -> dict[str, Any]:
+        """Rank 0's KV report, with every follower's own under ``tp_ranks`` (each rank holds its
+        own KV pages: a leak on one rank alone would not show in rank 0's figures)."""
+        self.send(["leak"])
+        report: dict[str, Any] = dict(self.inner.leak_report())
+        report["tp_ranks"] = [msgspec.msgpack.decode(self.comm.broadcast_bytes(None, src=r))
+                              for r in range(1, self.comm.size)]
+        return report
+
     def close(self) -> None:
         """Stop the followers (they leave :func:`follow`) and this scheduler."""
         try:
@@ -163,6 +172,10 @@ def _apply(scheduler: Scheduler, comm: Communicator, kind: str, op: list[Any]) -
         scheduler.abort(op[1], op[2])
     elif kind == "flush":
         scheduler.flush_cache()
+    elif kind == "leak":  # each follower answers in rank order (a broadcast from it)
+        for r in range(1, comm.size):
+            mine = _encoder.encode(scheduler.leak_report()) if r == comm.rank else None
+            comm.broadcast_bytes(mine, src=r)
     elif kind == "set":
         setattr(scheduler, op[1], op[2])
     elif kind == "rollout":

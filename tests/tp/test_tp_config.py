@@ -12,7 +12,8 @@ from framework.errors import ConfigError
 
 @pytest.mark.parametrize("overrides, key", [
     (["parallel.tp_size=0"], "parallel.tp_size"),
-    (["parallel.tp_size=2", "disaggregation.mode=prefill"], "parallel.tp_size"),
+    # PD across TP sizes is built; several replicas of one PD server are still refused
+    (["parallel.dp_size=2", "disaggregation.mode=prefill"], "parallel.dp_size"),
     (["parallel.tp_size=3", "parallel.nnodes=2", "parallel.dist_init_addr=h:1"], "parallel.nnodes"),
     (["parallel.tp_size=2", "parallel.nnodes=2"], "parallel.dist_init_addr"),
     (["parallel.tp_size=2", "parallel.nnodes=2", "parallel.node_rank=2", "parallel.dist_init_addr=h:1"],
@@ -23,6 +24,13 @@ from framework.errors import ConfigError
 def test_bad_parallel_settings_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         resolve_config(None, ["model.path=/nonexistent", *overrides])
+
+
+def test_tensor_parallel_pd_servers_resolve():
+    for mode in ("prefill", "decode"):
+        cfg = resolve_config(None, ["model.path=/nonexistent", "parallel.tp_size=2", f"disaggregation.mode={mode}",
+                                    *(["memory_pool.name=decode_prealloc"] if mode == "decode" else [])])
+        assert cfg.parallel.tp_size == 2 and cfg.disaggregation.mode.value == mode
 
 
 def test_auto_communicator():

@@ -8,6 +8,9 @@ NCCL on a GPU) that carries, per room and in order, from sender to receiver:
 2. the runs ``int64[3 * runs]``: (source page, destination page, pages) each;
 3. for each buffer (per layer, K then V) and each run, the run's bytes, received straight into
    the decode side's KV buffer (a view of ``num_pages * bytes_per_page`` bytes at the page);
+   or, when the link moves head slices (prefill and decode of different TP sizes), one tensor
+   ``[buffers, tokens, slice bytes]`` the sender gathers from its slots and the receiver scatters
+   into its own (one message per room instead of one per run and buffer);
 4. the metadata bytes (msgpack, chosen by the caller) as ``uint8[len]``.
 
 Messages on one process group arrive in order, so the sender ships rooms one after another from
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework.disaggregation.addressing import check_compatible, check_pages, merge_page_runs
+from framework.disaggregation.addressing import check_compatible, check_pages, merge_page_runs, slice_slots
 from framework.disaggregation.base import KVLayout, RoomTableBackend, TransferState, TransferTask
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,8 @@ class NcclTransferBackend(RoomTableBackend):
         self._outbox: queue.Queue[tuple[int, list[tuple[int, int, int]], bytes] | None] = queue.Queue()
         self._peer_layout: KVLayout | None = None
         self._peer: dict[str, Any] = {}
+        self._whole = True
+        """Both sides move whole pages (else head slices: gathered, sent as one tensor, scattered)."""
         self._threads: list[threading.Thread] = []
         self._works: list[Any] = []
         """The point-to-point operations in progress (aborted by ``close``)."""
@@ -102,6 +107,7 @@ class NcclTransferBackend(RoomTableBackend):
         """Join the peer: the prefill side is given the decode endpoint, and vice versa."""
         self._peer_layout = KVLayout.from_json(peer["layout"])
         check_compatible(self.layout, self._peer_layout)
+        self._whole = self.layout.whole and self._peer_layout.whole
         self._peer = peer
         self._spawn(self._run)
 
@@ -204,9 +210,12 @@ class NcclTransferBackend(RoomTableBackend):
         self._p2p(header.to(self.device), send=True)
         if runs:
             self._p2p(torch.tensor(runs, dtype=torch.int64).flatten().to(self.device), send=True)
-        bpp = self.layout.bytes_per_page
-        for buf in self.layout.buffers:
-            self._p2p_many([buf[src * bpp : (src + n) * bpp] for src, _dst, n in runs], send=True)
+        if not self._whole and runs:
+            self._p2p(self._slice_view([s + i for s, _d, n in runs for i in range(n)]).contiguous(), send=True)
+        else:
+            bpp = self.layout.bytes_per_page
+            for buf in self.layout.buffers:
+                self._p2p_many([buf[src * bpp : (src + n) * bpp] for src, _dst, n in runs], send=True)
         if metadata:
             self._p2p(torch.frombuffer(bytearray(metadata), dtype=torch.uint8).to(self.device), send=True)
 
@@ -270,9 +279,34 @@ class NcclTransferBackend(RoomTableBackend):
                 elif task is not None and not task.state.final:
                     task.fail(f"room {room}: the sender's destination pages differ from the reserved ones")
 
+    def _slice_view(self, pages: list[int]) -> torch.Tensor:
+        """``[buffers, tokens, slice bytes]``: this side's head slice of every token slot of ``pages``
+        (a gathered copy: head slices are strided in the KV buffers)."""
+        lay = self.layout
+        slots = torch.tensor(slice_slots(lay, pages), dtype=torch.int64, device=self.device)
+        cols = slice(lay.slice_offset, lay.slice_offset + lay.moved_token_bytes)
+        return torch.stack([buf.view(-1, lay.token_bytes)[slots, cols] for buf in lay.buffers])
+
+    def _receive_slices(self, runs: list[list[int]], into_kv: bool) -> None:
+        """Receive a head-slice room (one tensor) and scatter it into this side's slots."""
+        lay = self.layout
+        pages = [d + i for _s, d, n in runs for i in range(n)]
+        staging = torch.empty(lay.num_buffers, len(pages) * lay.page_size, lay.moved_token_bytes,
+                              dtype=torch.uint8, device=self.device)
+        self._p2p(staging, send=False)
+        if into_kv:
+            slots = torch.tensor(slice_slots(lay, pages), dtype=torch.int64, device=self.device)
+            cols = slice(lay.slice_offset, lay.slice_offset + lay.moved_token_bytes)
+            for buf, part in zip(lay.buffers, staging, strict=True):
+                buf.view(-1, lay.token_bytes)[slots, cols] = part
+
     def _receive_pages(self, runs: list[list[int]], into_kv: bool) -> None:
         """Receive every run; into the KV buffers when the room is expected, else into scratch
         (the bytes must still be consumed to keep the stream in step)."""
+        if not self._whole:
+            if runs:
+                self._receive_slices(runs, into_kv)
+            return
         bpp = self.layout.bytes_per_page
         for buf in self.layout.buffers:
             views = [buf[dst * bpp : (dst + n) * bpp] if into_kv

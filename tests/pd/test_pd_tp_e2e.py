@@ -1,0 +1,99 @@
+"""PD across tensor-parallel sizes, end to end on CPU: a prefill server and a decode server of
+different TP sizes (two gloo ranks on one side, one on the other, one torch thread each) behind
+``plugserve router``. Each decode rank receives its KV heads from the prefill ranks that hold them
+(head slices of each page); greedy tokens equal the unified single-rank engine's, and no rank of
+either server leaks a page or a request slot afterwards.
+
+Each case runs three or four model processes on this 2-core machine (about a minute each), so the
+default run covers each direction once with ``nccl`` (the backend that needs nothing installed);
+the other backends, equal TP sizes on both sides (whole pages, rank i to rank i), and GQA
+replication (more ranks than KV heads) run with ``--run-slow``."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from framework import Engine
+from framework.testing.tiny_models import save_tiny_model
+from tests.pd.test_router_e2e import BACKENDS, _installed, run_workload, spawn
+from tests.server.conftest import COMMON, assert_no_leak, free_port
+
+pytestmark = pytest.mark.timeout(600)
+
+KV = ["kv_cache.max_total_tokens=2048", "kv_cache.page_size=4", "scheduler.chunked_prefill_size=32"]
+LENGTHS = [3, 5, 8, 12, 17, 24, 31, 33, 40, 47, 55, 64, 70, 90, 9, 2]
+
+
+def slow(reason: str):
+    return pytest.mark.slow(reason=reason)
+
+
+CASES = [
+    pytest.param("nccl", 2, 1, id="nccl-tp2-to-tp1"),
+    pytest.param("nccl", 1, 2, id="nccl-tp1-to-tp2"),
+    pytest.param("mooncake", 2, 1, id="mooncake-tp2-to-tp1", marks=slow("four model processes per case")),
+    pytest.param("mooncake", 1, 2, id="mooncake-tp1-to-tp2", marks=slow("four model processes per case")),
+    pytest.param("nixl", 2, 1, id="nixl-tp2-to-tp1", marks=slow("four model processes per case")),
+    pytest.param("nixl", 1, 2, id="nixl-tp1-to-tp2", marks=slow("four model processes per case")),
+    pytest.param("nccl", 2, 2, id="nccl-tp2-to-tp2", marks=slow("four model processes: whole pages rank to rank")),
+]
+
+
+def make_workload(model: Path) -> tuple[Path, list[list[int]], list[dict], list[list[int]]]:
+    rng = random.Random(11)
+    prompts = [[rng.randrange(5, 300) for _ in range(n)] for n in LENGTHS]
+    params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": rng.randrange(1, 10)} for _ in prompts]
+    unified = Engine(overrides=[f"model.path={model}", *KV, "device.num_threads=1"], progress=False)
+    ref = [unified.generate(p, sp)["output_ids"] for p, sp in zip(prompts, params, strict=True)]
+    unified.close()
+    return model, prompts, params, ref
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    """The tiny model (4 query heads, 2 KV heads), the requests and the unified engine's tokens."""
+    return make_workload(save_tiny_model(tmp_path_factory.mktemp("pd-tp-model") / "model"))
+
+
+def run_cluster(tmp: Path, workload, backend: str, prefill_tp: int, decode_tp: int) -> None:
+    if not _installed(BACKENDS[backend]):
+        pytest.skip(f"the {backend} transfer backend's library ({BACKENDS[backend]}) is not installed")
+    p_port, d_port, b_port, r_port = (free_port() for _ in range(4))
+    pd = [f"disaggregation.transfer_backend={backend}", "disaggregation.bootstrap_timeout_s=60",
+          "disaggregation.transfer_timeout_s=60"]
+    base = ["serve", *COMMON, f"model.path={workload[0]}", *KV, *pd]
+    servers = [
+        spawn([*base, f"server.port={p_port}", "disaggregation.mode=prefill", f"disaggregation.bootstrap_port={b_port}",
+               f"parallel.tp_size={prefill_tp}"], tmp / "prefill.log", p_port),
+        spawn([*base, f"server.port={d_port}", "disaggregation.mode=decode", "memory_pool.name=decode_prealloc",
+               f"parallel.tp_size={decode_tp}"], tmp / "decode.log", d_port),
+    ]
+    servers.append(spawn(["router", "--prefill", servers[0].url, str(b_port), "--decode", servers[1].url,
+                          "--port", str(r_port)], tmp / "router.log", r_port))
+    try:
+        for s in reversed(servers):
+            s.wait_healthy()
+        run_workload(servers[2].url, workload, f"{backend} tp{prefill_tp}->tp{decode_tp}")
+        time.sleep(0.5)
+        assert_no_leak(servers[0])  # every rank of each (tp_ranks in the leak report)
+        assert_no_leak(servers[1])
+    finally:
+        for s in servers:
+            s.stop(timeout=20)
+
+
+@pytest.mark.parametrize("backend, prefill_tp, decode_tp", CASES)
+def test_pd_across_tp_sizes_matches_unified(workload, tmp_path, backend, prefill_tp, decode_tp):
+    run_cluster(tmp_path, workload, backend, prefill_tp, decode_tp)
+
+
+@pytest.mark.slow(reason="four model processes; GQA replication is the rarer layout")
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_pd_gqa_replicated_heads(tmp_path, prefill_tp, decode_tp):
+    """One KV head, two ranks: both ranks hold the head; a decode rank takes it from prefill rank 0."""
+    model = save_tiny_model(tmp_path / "model-1kv", num_key_value_heads=1)
+    run_cluster(tmp_path, make_workload(model), "nccl", prefill_tp, decode_tp)
