@@ -16,14 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from framework import Engine
 from framework.multimodal.inputs import is_pad_id
 from framework.testing.tiny_vl_models import IMAGE_PLACEHOLDER
+from tests.multimodal.reference import MAX_NEW, Reference
 
-MAX_NEW = 6
 ATOL = 1e-4
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 
@@ -42,36 +40,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
-
-
-class Reference:
-    """transformers' model on the checkpoint, with our ids mapped back to its image token."""
-
-    def __init__(self, path: Path) -> None:
-        config = transformers.AutoConfig.from_pretrained(path)
-        self.model = getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
-        self.image_token_id = config.image_token_id
-        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
-
-    def inputs(self, padded_ids: list[int], images: list[Any]) -> dict[str, torch.Tensor]:
-        ids = torch.tensor([[self.image_token_id if is_pad_id(t) else t for t in padded_ids]])
-        kwargs: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if images:
-            processed = self.image_processor(images=images, return_tensors="pt")
-            kwargs.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"],
-                          mm_token_type_ids=(ids == self.image_token_id).to(torch.int32))
-        return kwargs
-
-    @torch.no_grad()
-    def logits(self, padded_ids: list[int], images: list[Any]) -> torch.Tensor:
-        return self.model(**self.inputs(padded_ids, images)).logits[0]
-
-    @torch.no_grad()
-    def greedy(self, padded_ids: list[int], images: list[Any]) -> list[int]:
-        inputs = self.inputs(padded_ids, images)
-        out = self.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)
-        return out[0, len(padded_ids):].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,135 @@
+"""Images through the Engine: KV sharing by image content, retraction, the overlap loop and mixed
+steps, pad ids kept away from vocabulary-sized tensors, and refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework import Engine
+from framework.multimodal.inputs import MultimodalInputs, is_pad_id
+from framework.sampling.params import SamplingParams
+from framework.scheduler.request import Req
+from framework.scheduler.scheduler import AdmissionError
+from framework.testing.tiny_vl_models import IMAGE_PLACEHOLDER, make_image
+from tests.multimodal.reference import Reference
+
+TEXT = f"All the world's a stage {IMAGE_PLACEHOLDER} and all the men."
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture
+def make_engine() -> Iterator:
+    engines: list[Engine] = []
+
+    def make(path: Path, *overrides: str) -> Engine:
+        eng = Engine(overrides=[f"model.path={path}", "kv_cache.max_total_tokens=1024", *overrides], progress=False)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        report = eng.leak_report()
+        assert report["leaked"] == 0, report
+        assert report["req_slots_free"] == report["req_slots_total"], report
+        assert not eng.scheduler.has_work()
+
+
+def greedy(n: int) -> dict:
+    return {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}
+
+
+def test_same_image_shares_kv_and_another_does_not(qwen2_vl_model, make_engine):
+    eng = make_engine(qwen2_vl_model)
+    a, b = make_image(100, 120, seed=10), make_image(100, 120, seed=11)
+    ids, mm = eng._tokenize(TEXT, [a])
+    span_end = mm.items[0].end
+    first = eng.generate(TEXT, greedy(3), image_data=a)
+    again = eng.generate(TEXT, greedy(3), image_data=a)
+    other = eng.generate(TEXT, greedy(3), image_data=b)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert again["meta_info"]["cached_tokens"] > span_end  # the whole image's KV came from the cache
+    assert again["output_ids"] == first["output_ids"]
+    # Only the text before the image is shared with a different image of the same size.
+    assert 0 < other["meta_info"]["cached_tokens"] <= mm.items[0].offset
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retraction_keeps_images_and_greedy_output(vl_model, make_engine, images, overlap):
+    ref = Reference(vl_model)
+    prompts = [(TEXT, [images[1]]), (f"{IMAGE_PLACEHOLDER} x {IMAGE_PLACEHOLDER}", [images[0], images[2]]),
+               ("To be, or not to be.", []), (TEXT, [images[0]])]
+    eng = make_engine(vl_model, "kv_cache.max_total_tokens=96", "scheduler.max_running_requests=8",
+                      f"scheduler.overlap={overlap}", "scheduler.init_new_token_ratio=0.0",
+                      "scheduler.min_new_token_ratio=0.0", "scheduler.retract_decode_steps=2")
+    results = eng.generate([p for p, _ in prompts], greedy(16), image_data=[i or None for _, i in prompts])
+    assert eng.scheduler.num_retractions > 0, "the KV budget did not force a retraction"
+    for (text, imgs), res in zip(prompts, results, strict=True):
+        ids, _ = eng._tokenize(text, imgs or None)
+        assert res["output_ids"] == ref.greedy(ids, imgs, max_new=16), text
+
+
+@pytest.mark.parametrize("variant", [["scheduler.overlap=true"],
+                                     ["scheduler.mixed_chunk=true", "scheduler.chunked_prefill_size=6"],
+                                     ["attention.backend=torch_native", "kv_cache.page_size=16"]],
+                         ids=["overlap", "mixed_chunk", "torch_native_page16"])
+def test_scheduler_variants_with_images(vl_model, make_engine, images, variant):
+    """Requests arrive while others decode, so prefill chunks of image prompts share steps with
+    decode rows (mixed) or run a step ahead (overlap)."""
+    ref = Reference(vl_model)
+    prompts = [(TEXT, [images[1]]), ("Numbers 0123.", []), (f"{IMAGE_PLACEHOLDER}{IMAGE_PLACEHOLDER}", images[:2])]
+    eng = make_engine(vl_model, *variant)
+    rids = [eng.submit(prompts[0][0], greedy(8), image_data=prompts[0][1])]
+    for _ in range(3):
+        eng.step()
+    rids += [eng.submit(p, greedy(8), image_data=i or None) for p, i in prompts[1:]]
+    eng.run_until_done(rids)
+    for (text, imgs), rid in zip(prompts, rids, strict=True):
+        ids, _ = eng._tokenize(text, imgs or None)
+        assert eng._states.pop(rid).output_ids == ref.greedy(ids, imgs, max_new=8), text
+
+
+def test_pad_ids_never_index_the_vocabulary(qwen2_vl_model, make_engine, images):
+    """Penalties over prompt ids, prompt top logprobs and token-id logprobs run with image spans
+    (an out-of-range index would raise), and image positions report None."""
+    eng = make_engine(qwen2_vl_model)
+    params = {**greedy(4), "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.5}
+    res = eng.generate(TEXT, params, image_data=images[0], logprob_start_len=0, top_logprobs_num=2)
+    ids, _ = eng._tokenize(TEXT, images[0])
+    meta = res["meta_info"]
+    assert len(res["output_ids"]) == 4 and res["text"]
+    assert [lp is None for lp, _ in meta["input_token_logprobs"][1:]] == [is_pad_id(t) for t in ids[1:]]
+    tops = meta["input_top_logprobs"][1:]
+    assert [row is None for row in tops] == [is_pad_id(t) for t in ids[1:]]
+    assert meta["prompt_tokens"] == len(ids)
+
+
+def test_text_model_refuses_images(tiny_model, make_engine, images):
+    eng = make_engine(tiny_model)
+    with pytest.raises(ValueError, match="does not take images"):
+        eng.generate("hello", greedy(2), image_data=images[0])
+    req = Req(rid="x", input_ids=[1, 2, 1 << 30], sampling_params=SamplingParams(), mm_inputs=MultimodalInputs())
+    with pytest.raises(AdmissionError, match="input_ids"):
+        eng.scheduler.add_request(req)
+
+
+def test_pad_ids_must_match_the_image_spans(qwen2_vl_model, make_engine, images):
+    eng = make_engine(qwen2_vl_model)
+    ids, mm = eng._tokenize(TEXT, [images[0]])
+    bad = list(ids)
+    bad[mm.items[0].offset] = 5  # a text id inside the span
+    with pytest.raises(AdmissionError, match="pad id"):
+        eng.scheduler.add_request(Req(rid="a", input_ids=bad, sampling_params=SamplingParams(), mm_inputs=mm))
+    with pytest.raises(AdmissionError, match=r"input_ids\[\d+\]"):
+        eng.scheduler.add_request(Req(rid="b", input_ids=ids + [1 << 30], sampling_params=SamplingParams(),
+                                      mm_inputs=mm))
