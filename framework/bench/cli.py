@@ -46,10 +46,12 @@ def add_bench_commands(sub: Any) -> None:
     from framework.bench.serving import add_serve_command
     from framework.bench.tp import add_tp_command
     from framework.bench.transfer import add_transfer_command
+    from framework.bench.transfer_heads import add_transfer_heads_command
 
     add_serve_command(bench_sub, output_args)
     add_plot_command(bench_sub)
     add_transfer_command(bench_sub, output_args)
+    add_transfer_heads_command(bench_sub, output_args)
     add_pd_command(bench_sub, common)
     add_rl_command(bench_sub, common)
     add_tp_command(bench_sub, common)

@@ -53,19 +53,41 @@ class Spec:
     iters: int
     warmup: int
     timeout_s: float
+    layout: str = "whole"
+    """``whole``: 8 heads on both sides (whole pages). ``tp1-to-tp2``: the sender holds 8 heads and
+    sends heads 0..3 of each token to a receiver that holds those 4 (decode rank 0 of 2).
+    ``tp2-to-tp1``: the sender holds 4 heads and writes them into heads 0..3 of a receiver that
+    holds 8 (prefill rank 0 of 2). Head slices move half the bytes, strided per token."""
 
     @property
     def moved_bytes(self) -> int:
-        return len(self.src_pages) * 2 * self.layers * self.page_bytes
+        whole = len(self.src_pages) * 2 * self.layers * self.page_bytes
+        return whole if self.layout == "whole" else whole // 2
 
 
-def make_cache(spec: Spec, fill: float) -> KVCache:
-    """A cache whose page is ``page_bytes`` per buffer (fp16, 16 tokens x 8 heads x head_dim)."""
+LAYOUTS = ("whole", "tp1-to-tp2", "tp2-to-tp1")
+HEADS = {("whole", "prefill"): 8, ("whole", "decode"): 8, ("tp1-to-tp2", "prefill"): 8,
+         ("tp1-to-tp2", "decode"): 4, ("tp2-to-tp1", "prefill"): 4, ("tp2-to-tp1", "decode"): 8}
+"""KV heads each side's cache holds, per layout."""
+
+
+def make_cache(spec: Spec, fill: float, heads: int = 8) -> KVCache:
+    """A cache of ``heads`` heads whose 8-head page would be ``page_bytes`` per buffer (fp16, 16
+    tokens x 8 heads x head_dim)."""
     head_dim = spec.page_bytes // (16 * 8 * 2)
-    cache = KVCache(spec.layers, spec.pool_pages, 16, 8, head_dim, torch.float16, "cpu")
+    cache = KVCache(spec.layers, spec.pool_pages, 16, heads, head_dim, torch.float16, "cpu")
     for buf in [*cache.k_buffers, *cache.v_buffers]:
         buf.fill_(fill)  # touch every page now, so no page fault lands inside a timed transfer
     return cache
+
+
+def side_layout(spec: Spec, role: str, fill: float) -> KVLayout:
+    """This side's cache and the layout its backend moves (sliced to heads 0..3 where it holds 8
+    and the peer 4)."""
+    heads = HEADS[(spec.layout, role)]
+    layout = KVLayout.from_cache(make_cache(spec, fill, heads))
+    peer = HEADS[(spec.layout, "decode" if role == "prefill" else "prefill")]
+    return layout.sliced(0, peer) if heads > peer else layout
 
 
 def wait_for(predicate: Any, what: str, timeout_s: float) -> Any:
@@ -212,7 +234,7 @@ def _backend(name: str, role: str, layout: KVLayout) -> Any:
 
 def prefill(name: str, port: int, spec: Spec) -> dict[str, Any]:
     service = BootstrapService("127.0.0.1", port).start()
-    backend = _backend(name, "prefill", KVLayout.from_cache(make_cache(spec, 1.0)))
+    backend = _backend(name, "prefill", side_layout(spec, "prefill", 1.0))
     raw = RAW[name]("prefill", backend, spec.moved_bytes)
     try:
         service.register("prefill", 0, {**backend.endpoint(), "raw": raw.endpoint()})
@@ -243,7 +265,7 @@ def prefill(name: str, port: int, spec: Spec) -> dict[str, Any]:
 
 
 def decode(name: str, port: int, spec: Spec) -> dict[str, Any]:
-    backend = _backend(name, "decode", KVLayout.from_cache(make_cache(spec, 0.0)))
+    backend = _backend(name, "decode", side_layout(spec, "decode", 0.0))
     raw = RAW[name]("decode", backend, spec.moved_bytes)
     client = BootstrapClient("127.0.0.1", port)
     try:
@@ -264,9 +286,12 @@ def decode(name: str, port: int, spec: Spec) -> dict[str, Any]:
             plugin_s.append(done - msgspec.msgpack.decode(backend.metadata(room)))
             backend.release(room)
         # the sender filled its KV with ones: the last destination page of the last buffer has them
-        bpp = backend.layout.bytes_per_page
-        last = backend.layout.buffers[-1][spec.dst_pages[-1] * bpp : (spec.dst_pages[-1] + 1) * bpp]
-        bytes_ok = bool(last.view(torch.float16).eq(1.0).all())
+        # (in the moved heads only, when the receiver holds more heads than it was sent)
+        lay = backend.layout
+        last = lay.buffers[-1][spec.dst_pages[-1] * lay.bytes_per_page : (spec.dst_pages[-1] + 1) * lay.bytes_per_page]
+        tokens = last.view(16, lay.token_bytes)
+        moved = tokens[:, lay.slice_offset : lay.slice_offset + lay.moved_token_bytes]
+        bytes_ok = bool(moved.contiguous().view(torch.float16).eq(1.0).all()) and int(tokens.sum()) == int(moved.sum())
         for _ in range(spec.warmup + spec.iters):
             raw.recv_once()
         # stay up (memory registered) until the sender's last one-sided write has completed
