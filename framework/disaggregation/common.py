@@ -19,6 +19,9 @@ class FirstToken(msgspec.Struct, omit_defaults=True):
     top_logprobs: list[tuple[int, float]] | None = None
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    mrope_position_delta: int | None = None
+    """M-RoPE models, prompts with images: decode positions are ``p + delta`` (the decode server
+    never runs the vision encoder, so it learns the delta here)."""
 
 
 def encode_first_token(meta: FirstToken) -> bytes:

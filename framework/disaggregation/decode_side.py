@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from framework.disaggregation.addressing import pages_of_slots
@@ -42,6 +42,7 @@ from framework.disaggregation.heads import RankShard
 from framework.disaggregation.links import RankLinks
 from framework.errors import ConfigError
 from framework.memory.request_pool import PreallocatingRequestPool
+from framework.multimodal.inputs import MultimodalInputs
 from framework.scheduler.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -303,6 +304,8 @@ class DecodeSide:
         inc.links.release(inc.room)
         r.output_ids.append(meta.token_id)
         r.first_token_time = time.monotonic()
+        if meta.mrope_position_delta is not None:  # the prefill side's, with the KV its encoder made
+            r.mm_inputs = replace(r.mm_inputs or MultimodalInputs(), mrope_position_delta=meta.mrope_position_delta)
         if r.return_logprob and meta.logprob is not None:
             r.output_logprobs.append(meta.logprob)
             if meta.top_logprobs is not None:

@@ -44,7 +44,8 @@ class ModelIdentity:
     @classmethod
     def of_runner(cls, runner: Any) -> ModelIdentity:
         """The identity of a ``ModelRunner``'s model and KV cache."""
-        cfg, cache = runner.hf_config, runner.kv_cache
+        # A multimodal config nests its decoder's under text_config (the runner resolves it).
+        cfg, cache = getattr(runner, "text_config", runner.hf_config), runner.kv_cache
         total = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         return cls(str(runner.architecture), cache.num_layers, cache.head_dim, int(total),
                    str(cache.dtype).removeprefix("torch."), cache.page_size)

@@ -119,6 +119,8 @@ class PrefillSide:
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         for i, r in enumerate(reqs):
             meta = FirstToken(token_id=ids[i])
+            if r.mm_inputs is not None:
+                meta.mrope_position_delta = r.mm_inputs.mrope_position_delta
             if r.return_logprob and logprobs is not None:
                 meta.logprob = logprobs[i]
                 meta.top_logprobs = out.top_logprobs[i] if out.top_logprobs is not None else None
@@ -168,9 +170,9 @@ class PrefillSide:
                 d["link"] = link
         linked = self.links is not None and "reset" not in d and "link" not in d
         for o in self.outgoing.values():
-            if linked and not o.sent and o.aborted is None:
-                error = self.service.take_error(o.room)
-                posted = self.service.take_room(o.room)
+            if not o.sent and o.aborted is None:
+                error = self.service.take_error(o.room)  # e.g. a decode server of another model
+                posted = self.service.take_room(o.room) if linked else None
                 if error is not None:
                     d["fail"][o.room] = f"the decode server gave up room {o.room}: {error}"
                 elif posted is not None:

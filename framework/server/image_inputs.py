@@ -70,9 +70,11 @@ class ImageFrontend:
             return None
         if not self.send_inputs:
             # The spans (hash-derived pad ids) let admission check the ids and key the radix
-            # cache; the positions are a few bytes per token. Pixels stay here: the prefill server
-            # encodes, and its M-RoPE delta arrives with the KV (framework.disaggregation).
-            mm = replace(mm, items=[replace(i, pixel_values=i.pixel_values[:0]) for i in mm.items])
+            # cache; the prompt's positions are a few bytes per token (a re-prefill after a
+            # retraction needs them). Pixels stay here: the prefill server encodes, and the decode
+            # delta arrives with the KV (framework.disaggregation), its only source here.
+            mm = replace(mm, items=[replace(i, pixel_values=i.pixel_values[:0]) for i in mm.items],
+                         mrope_position_delta=0)
         return to_wire(mm)
 
 
