@@ -133,3 +133,36 @@ def test_pad_ids_must_match_the_image_spans(qwen2_vl_model, make_engine, images)
     with pytest.raises(AdmissionError, match=r"input_ids\[\d+\]"):
         eng.scheduler.add_request(Req(rid="b", input_ids=ids + [1 << 30], sampling_params=SamplingParams(),
                                       mm_inputs=mm))
+
+
+def test_tensor_parallel_is_refused_clearly(qwen2_vl_model, monkeypatch):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    import plugins.models.qwen2_vl as qwen2_vl
+
+    monkeypatch.setattr(qwen2_vl, "get_tensor_parallel", lambda: SimpleNamespace(size=2))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        qwen2_vl.Qwen2VLForConditionalGeneration(AutoConfig.from_pretrained(qwen2_vl_model))
+
+
+@pytest.mark.parametrize("cache", [8, 0])
+def test_encoder_runs_once_per_image_with_the_cache(qwen2_vl_model, make_engine, images, cache):
+    """Chunks of 4 tokens split the 16-token image over 5 chunks: with the encoder cache the image
+    is encoded once (also for a second request with it); without it once per chunk touching it.
+    The output equals transformers' either way."""
+    eng = make_engine(qwen2_vl_model, "scheduler.chunked_prefill_size=4", f"model.options.encoder_cache_images={cache}")
+    visual = eng.runner.model.visual
+    calls: list[tuple] = []
+    real = visual.encode
+    visual.encode = lambda px, grid: (calls.append(grid), real(px, grid))[1]
+    out = eng.generate(TEXT, greedy(4), image_data=images[1])
+    ids, mm = eng._tokenize(TEXT, [images[1]])
+    item = mm.items[0]
+    chunks_touching = len({p // 4 for p in range(item.offset, item.end)})
+    assert len(calls) == (1 if cache else chunks_touching)
+    assert out["output_ids"] == Reference(qwen2_vl_model).greedy(ids, [images[1]], max_new=4)
+    eng.flush_cache()
+    eng.generate(TEXT, greedy(1), image_data=images[1])
+    assert len(calls) == (1 if cache else 2 * chunks_touching)
