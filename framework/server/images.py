@@ -113,15 +113,19 @@ class ImageLoader:
 
     async def _bytes(self, src: ImageSource) -> bytes:
         value = src.value.strip()
-        scheme = value.split(":", 1)[0].lower() if ":" in value[:10] else ""
-        if scheme == "data":
-            return self._data_url(value, src.param)
-        if scheme in ("http", "https"):
+        if _scheme(value) in ("http", "https"):
             if not self.server.allow_remote_images:
                 raise bad_request(f"{src.param}: image URLs are not fetched by this server (server.allow_remote_images "
                                   "is false); send the image inline as a base64 data: URL", src.param,
                                   "remote_images_disabled")
             return await self._fetch(value, src.param)
+        # Decoding megabytes of base64 or reading a file blocks: not on the event loop.
+        return await asyncio.to_thread(self._local, value, src)
+
+    def _local(self, value: str, src: ImageSource) -> bytes:
+        scheme = _scheme(value)
+        if scheme == "data":
+            return self._data_url(value, src.param)
         if scheme == "file":
             return self._file(unquote(urlparse(value).path), src.param)
         if src.allow_base64:
@@ -203,6 +207,12 @@ class ImageLoader:
                     raise self._too_large(size, param)
                 chunks.append(chunk)
             return b"".join(chunks)
+
+
+def _scheme(value: str) -> str:
+    """A URL's scheme, lowercased ("" for base64 or a path)."""
+    head = value[:10]
+    return head.split(":", 1)[0].lower() if ":" in head else ""
 
 
 async def _with_deadline(coro: Any, timeout: float, param: str) -> Any:
