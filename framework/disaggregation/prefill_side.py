@@ -170,9 +170,9 @@ class PrefillSide:
                 d["link"] = link
         linked = self.links is not None and "reset" not in d and "link" not in d
         for o in self.outgoing.values():
-            if linked and not o.sent and o.aborted is None:
-                error = self.service.take_error(o.room)
-                posted = self.service.take_room(o.room)
+            if not o.sent and o.aborted is None:
+                error = self.service.take_error(o.room)  # e.g. a decode server of another model
+                posted = self.service.take_room(o.room) if linked else None
                 if error is not None:
                     d["fail"][o.room] = f"the decode server gave up room {o.room}: {error}"
                 elif posted is not None:

@@ -121,3 +121,37 @@ def test_stalled_transfer_times_out_on_both_sides_and_quarantines(model_path):
     finally:
         p.scheduler.pd.close()
         d.scheduler.pd.close()
+
+
+def test_a_decode_server_of_another_model_fails_both_sides_at_once(tmp_path):
+    """Layouts are checked on model identity, not bytes: a decode server holding another
+    architecture's KV (same layers, heads, head_dim and dtype: the same bytes per page) refuses
+    the room at once, and tells the prefill server, which fails its request with the same reason."""
+    from framework.testing.tiny_models import save_tiny_model
+
+    llama = save_tiny_model(tmp_path / "llama", "LlamaForCausalLM")
+    mistral = save_tiny_model(tmp_path / "mistral", "MistralForCausalLM")
+    port = free_port()
+    pd = [f"disaggregation.bootstrap_port={port}", "disaggregation.bootstrap_timeout_s=30"]
+    p = Engine(overrides=[f"model.path={llama}", *COMMON, *pd, "disaggregation.mode=prefill"], progress=False)
+    d = Engine(overrides=[f"model.path={mistral}", *COMMON, *pd, "disaggregation.mode=decode",
+                          "memory_pool.name=decode_prealloc"], progress=False)
+    try:
+        ps, ds = p.scheduler, d.scheduler
+        ps.add_request(make_req("p1", list(range(10, 30)), 3, "127.0.0.1", port, 501))
+        ds.add_request(make_req("d1", list(range(10, 30)), 3, "127.0.0.1", port, 501))
+        errors: dict[str, str] = {}
+        deadline = time.monotonic() + 20  # well inside the 30 s bootstrap timeout
+        while len(errors) < 2:
+            assert time.monotonic() < deadline, f"not refused on both sides: {errors}"
+            for s in (ps, ds):
+                for o in s.step():
+                    if o.finished:
+                        errors[o.rid] = o.error or ""
+        assert all("different model's KV (architecture 'MistralForCausalLM' vs 'LlamaForCausalLM')" in e
+                   for e in errors.values()), errors
+        assert_no_leak(p)
+        assert_no_leak(d)
+    finally:
+        p.scheduler.pd.close()
+        d.scheduler.pd.close()
