@@ -36,6 +36,14 @@ if TYPE_CHECKING:
 _PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
+def _checkpoint_name(name: str) -> str:
+    """A weight's name as saved checkpoints spell it (``model.language_model.x`` -> ``model.x``)."""
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 @dataclass
 class QwenVLOptions:
     """``model.options`` of the Qwen VL models."""
@@ -119,9 +127,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
         def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                for old, new in _PREFIXES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
+                name = _checkpoint_name(name)
                 if not name.startswith("visual."):
                     yield name, tensor
                     continue
@@ -134,7 +140,13 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                 param.copy_(full.to(param.dtype))
                 loaded.add(name)
 
-        return loaded | super().load_weights(text_weights())
+        text_loaded = super().load_weights(text_weights())  # runs the generator, filling ``loaded``
+        return loaded | text_loaded
+
+    def hf_weight_location(self, name: str) -> tuple[str, tuple[int, int] | None]:
+        """Like the text model's, with the vision tower's names (never merged) as they are."""
+        name = _checkpoint_name(name)
+        return (name, None) if name.startswith("visual.") else super().hf_weight_location(name)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

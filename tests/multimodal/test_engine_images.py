@@ -166,3 +166,20 @@ def test_encoder_runs_once_per_image_with_the_cache(qwen2_vl_model, make_engine,
     eng.flush_cache()
     eng.generate(TEXT, greedy(1), image_data=images[1])
     assert len(calls) == (1 if cache else 2 * chunks_touching)
+
+
+def test_weight_update_from_transformers_names(qwen2_5_vl_model, make_engine, images):
+    """``update_weights_from_tensor`` with transformers' in-memory names (``model.language_model.*``,
+    ``model.visual.*``): new weights take effect in both towers, and the encoder cache is dropped."""
+    ref = Reference(qwen2_5_vl_model)
+    eng = make_engine(qwen2_5_vl_model)
+    ids, _ = eng._tokenize(TEXT, [images[1]])
+    assert eng.generate(TEXT, greedy(4), image_data=images[1])["output_ids"] == ref.greedy(ids, [images[1]], 4)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in ref.model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    result = eng.update_weights_from_tensor(list(ref.model.state_dict().items()))
+    assert result.get("success", True), result
+    assert eng.generate(TEXT, greedy(4), image_data=images[1])["output_ids"] == ref.greedy(ids, [images[1]], 4)
