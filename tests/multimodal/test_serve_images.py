@@ -9,7 +9,9 @@ transformers in test_qwen_vl_vs_hf.py); the prompts are rendered by transformers
 from __future__ import annotations
 
 import base64
+import http.server
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,12 @@ def test_generate_image_data_matches_the_engine(server, images, reference):
             r = http.post("/generate", json=body)
             assert r.status_code == 200, r.text
             assert r.json()["output_ids"] == reference[f"gen{k}"]["output_ids"], k
+        # token ids with the image token once per image, as SGLang's clients send them
+        ids = build_vl_tokenizer().encode(GENERATE[0][0])
+        r = http.post("/generate", json={"input_ids": ids, "sampling_params": GREEDY,
+                                         "image_data": [data_url(png(images[GENERATE[0][1][0]]))]})
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == reference["gen0"]["output_ids"]
         # a batch: one entry per prompt (null, a data URL, a list), streamed
         batch = [None if not w else data_url(png(images[w[0]])) if len(w) == 1 else [data_url(png(images[i])) for i in w]
                  for _, w in GENERATE[::-1]]
@@ -138,6 +146,44 @@ def test_the_prefix_cache_keys_images_by_content(server, images):
     cached(first)
     assert cached(first) >= 7 + 16  # the same image: the prefix cache holds its span
     assert cached(make_image(112, 112, seed=12)) <= 7  # a different one: only the text before it
+
+
+def test_remote_image_urls_when_allowed(qwen2_vl_model, images, reference, tmp_path):
+    """With server.allow_remote_images the server fetches from a local http server (the default
+    server refuses such URLs: BAD below)."""
+    body = png(images[1])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/cat.png" else 404)
+            self.send_header("Content-Length", str(len(body) if self.path == "/cat.png" else 0))
+            self.end_headers()
+            if self.path == "/cat.png":
+                self.wfile.write(body)
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{site.server_address[1]}"
+    try:
+        with served(tmp_path, [f"model.path={qwen2_vl_model}", *KV, "server.allow_remote_images=true"]) as srv:
+            parts = [{"type": "image_url", "image_url": {"url": f"{base}/cat.png"}} if p["type"] == "image" else p
+                     for p in CHAT[0][0]]
+            with srv.client() as client:
+                r = client.post("/v1/chat/completions", json={"model": "model", "max_tokens": MAX_NEW, "temperature": 0,
+                                                              "ignore_eos": True,
+                                                              "messages": [{"role": "user", "content": parts}]})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == reference["chat0"]["text"]
+                parts[1] = {"type": "image_url", "image_url": {"url": f"{base}/missing.png"}}
+                r = client.post("/v1/chat/completions", json={"model": "model", "max_tokens": 2,
+                                                              "messages": [{"role": "user", "content": parts}]})
+                assert_error(r, "messages.0.content.1.image_url", "image_fetch_failed")
+    finally:
+        site.shutdown()
+        site.server_close()
 
 
 BAD = [  # (name, route, body builder, param, code)
