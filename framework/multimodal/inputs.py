@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -88,3 +89,26 @@ class MultimodalInputs:
                 return (f"input_ids[{p}] = {t}: ids must be in [0, {vocab_size}) outside image spans and the "
                         "image's pad id inside them")
         return None
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain msgpack types (tensors as safetensors bytes, never pickle): what another
+        tensor-parallel rank needs to rebuild these inputs with :meth:`from_wire`."""
+        from safetensors.torch import save
+
+        tensors = {f"pixels.{i}": item.pixel_values.detach().cpu().contiguous() for i, item in enumerate(self.items)}
+        if self.mrope_positions is not None:
+            tensors["mrope_positions"] = self.mrope_positions.detach().cpu().contiguous()
+        return {
+            "items": [[list(i.grid_thw), i.offset, i.length, i.hash] for i in self.items],
+            "tensors": save(tensors),
+            "delta": self.mrope_position_delta,
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> MultimodalInputs:
+        from safetensors.torch import load
+
+        tensors = load(bytes(data["tensors"]))
+        items = [ImageItem(tensors[f"pixels.{i}"], (int(g[0]), int(g[1]), int(g[2])), int(off), int(n), int(h))
+                 for i, (g, off, n, h) in enumerate(data["items"])]
+        return cls(items, tensors.get("mrope_positions"), int(data["delta"]))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from framework.distributed.communicator import Communicator
+from framework.multimodal.inputs import MultimodalInputs
 from framework.sampling.params import SamplingParams
 from framework.scheduler.request import Req
 from framework.scheduler.rollout import tensors_from_bytes, tensors_to_bytes
@@ -46,12 +47,16 @@ def req_to_wire(req: Req) -> dict[str, Any]:
     """What another rank needs to build the same :class:`Req` (plain msgpack types)."""
     out = {name: getattr(req, name) for name in _REQ_FIELDS}
     out["sampling_params"] = req.sampling_params.to_dict()
+    if req.mm_inputs is not None:  # every rank's model places the images itself
+        out["mm_inputs"] = req.mm_inputs.to_wire()
     return out
 
 
 def req_from_wire(data: dict[str, Any]) -> Req:
-    fields = {k: v for k, v in data.items() if k != "sampling_params"}
-    return Req(sampling_params=SamplingParams.from_dict(data["sampling_params"]), **fields)
+    fields = {k: v for k, v in data.items() if k not in ("sampling_params", "mm_inputs")}
+    mm = data.get("mm_inputs")
+    return Req(sampling_params=SamplingParams.from_dict(data["sampling_params"]),
+               mm_inputs=None if mm is None else MultimodalInputs.from_wire(mm), **fields)
 
 
 class _RolloutProxy:

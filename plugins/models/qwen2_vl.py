@@ -8,8 +8,9 @@ written over the token embeddings, so a chunk may start or end inside an image. 
 kept in a small LRU keyed by the image's content hash, so later chunks of the same image (and
 other requests with it) do not encode it again.
 
-Image spans hold pad ids (``>= 2**30``), which never reach the embedding table. Tensor parallelism
-is not supported for these models yet (refused at build time).
+Image spans hold pad ids (``>= 2**30``), which never reach the embedding table. Under tensor
+parallelism the language model is split like Qwen2's and every rank runs the (small, replicated)
+vision tower on the images it was sent, so no collective is added.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from framework.distributed.state import get_tensor_parallel
 from framework.models.layers import get_mrope
 from framework.multimodal.inputs import ImageItem
 from plugins.models.llama import config_head_dim
@@ -63,8 +63,6 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     qwen25 = False
 
     def __init__(self, hf_config: Any, options: QwenVLOptions | None = None) -> None:
-        if get_tensor_parallel().size > 1:
-            raise ValueError(f"{type(self).__name__} does not support tensor parallelism yet (parallel.tp_size=1)")
         text = copy.copy(hf_config.get_text_config())
         # Older checkpoints declare tying at the top level only.
         text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)

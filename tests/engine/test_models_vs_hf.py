@@ -236,6 +236,8 @@ def test_registers_all_architectures() -> None:
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
     }
 
 

@@ -135,18 +135,6 @@ def test_pad_ids_must_match_the_image_spans(qwen2_vl_model, make_engine, images)
                                       mm_inputs=mm))
 
 
-def test_tensor_parallel_is_refused_clearly(qwen2_vl_model, monkeypatch):
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig
-
-    import plugins.models.qwen2_vl as qwen2_vl
-
-    monkeypatch.setattr(qwen2_vl, "get_tensor_parallel", lambda: SimpleNamespace(size=2))
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        qwen2_vl.Qwen2VLForConditionalGeneration(AutoConfig.from_pretrained(qwen2_vl_model))
-
-
 @pytest.mark.parametrize("cache", [8, 0])
 def test_encoder_runs_once_per_image_with_the_cache(qwen2_vl_model, make_engine, images, cache):
     """Chunks of 4 tokens split the 16-token image over 5 chunks: with the encoder cache the image

@@ -117,3 +117,16 @@ def test_load_image_refuses_garbage(tmp_path: Path):
     bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     with pytest.raises(ValueError, match="cannot decode"):
         load_image(bad)
+
+
+def test_inputs_round_trip_the_rank_wire(qwen2_vl_model: Path, images):
+    import msgspec
+
+    from framework.multimodal.inputs import MultimodalInputs
+
+    _, mm = processor_for(qwen2_vl_model).process(f"{IMAGE_PLACEHOLDER} a {IMAGE_PLACEHOLDER}", images[:2])
+    back = MultimodalInputs.from_wire(msgspec.msgpack.decode(msgspec.msgpack.encode(mm.to_wire())))
+    assert back.spans() == mm.spans() and back.mrope_position_delta == mm.mrope_position_delta
+    assert torch.equal(back.mrope_positions, mm.mrope_positions)
+    for a, b in zip(back.items, mm.items, strict=True):
+        assert torch.equal(a.pixel_values, b.pixel_values) and (a.grid_thw, a.hash) == (b.grid_thw, b.hash)
