@@ -286,7 +286,7 @@ class PrefillSide:
     def _complete(self, o: _Outgoing) -> None:
         del self.outgoing[o.room]
         r, task = o.req, o.task
-        if o.aborted is not None and task.state is not TransferState.success:
+        if o.aborted is not None:
             r.finished_reason = FinishReason("abort", message=o.aborted)
         elif task.state is TransferState.success:
             r.finished_reason = FinishReason("length")
