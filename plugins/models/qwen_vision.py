@@ -11,6 +11,8 @@ images share the batch. Parameter names follow the checkpoints (``visual.*``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,14 +22,22 @@ from torch import nn
 from framework.models.layers import RMSNorm, rotate_half
 
 
-def _activation(name: str) -> Any:
-    if name == "quick_gelu":
-        return lambda x: x * torch.sigmoid(1.702 * x)
-    if name == "silu":
-        return F.silu
-    if name in ("gelu", "gelu_pytorch_tanh"):
-        return (lambda x: F.gelu(x, approximate="tanh")) if name.endswith("tanh") else F.gelu
-    raise ValueError(f"vision hidden_act {name!r} is not supported")
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": _quick_gelu,
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"vision hidden_act {name!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
+    return _ACTIVATIONS[name]
 
 
 class PatchEmbed(nn.Module):

@@ -171,3 +171,18 @@ def test_weight_update_from_transformers_names(qwen2_5_vl_model, make_engine, im
     result = eng.update_weights_from_tensor(list(ref.model.state_dict().items()))
     assert result.get("success", True), result
     assert eng.generate(TEXT, greedy(4), image_data=images[1])["output_ids"] == ref.greedy(ids, [images[1]], 4)
+
+
+def test_grammar_and_stop_conditions_with_images(qwen2_vl_model, make_engine, images):
+    """Constrained decoding and stop tokens see only output ids: an image prompt works with both."""
+    import re
+
+    eng = make_engine(qwen2_vl_model)
+    res = eng.generate(TEXT, {"temperature": 0.0, "max_new_tokens": 8, "regex": "(yes|no)[0-9]{3}"},
+                       image_data=images[0])
+    assert re.fullmatch("(yes|no)[0-9]{3}", res["text"]), res["text"]
+    free = eng.generate(TEXT, greedy(6), image_data=images[0])["output_ids"]
+    stopped = eng.generate(TEXT, {"temperature": 0.0, "max_new_tokens": 6, "stop_token_ids": [free[2]]},
+                           image_data=images[0])
+    assert stopped["output_ids"] == free[: free.index(free[2]) + 1]
+    assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
