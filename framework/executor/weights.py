@@ -86,7 +86,10 @@ class ModelWeights:
         except (OSError, ValueError) as exc:
             raise WeightUpdateError(f"model_path {path!r}: no readable config.json ({exc})", "model_path") from None
         for field in IDENTITY_FIELDS:
-            old_v, new_v = getattr(self._hf_config, field, None), getattr(new, field, None)
+            # A vision-language config keeps the language model's sizes in its text config.
+            old_cfg, new_cfg = ((self._hf_config, new) if field == "architectures"
+                                else (self._hf_config.get_text_config(), new.get_text_config()))
+            old_v, new_v = getattr(old_cfg, field, None), getattr(new_cfg, field, None)
             if old_v != new_v:
                 raise WeightUpdateError(
                     f"model_path {path!r} is not the served model's architecture: {field} is {new_v!r}, "

@@ -73,15 +73,15 @@ def tiny_vl_config(architecture: str, tokenizer: Any, **text_overrides: Any) -> 
 
 
 def save_tiny_vl_model(path: str | Path, architecture: str = "Qwen2VLForConditionalGeneration", seed: int = 0,
-                       init_std: float = 0.2) -> Path:
+                       init_std: float = 0.2, **text_overrides: Any) -> Path:
     """Build, randomly initialise (``init_std``, so outputs are not flat) and save a tiny VL model
-    with its tokenizer and image processor config."""
+    with its tokenizer and image processor config; ``text_overrides`` change the text config."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     path = Path(path)
     tokenizer = build_vl_tokenizer()
-    config = tiny_vl_config(architecture, tokenizer)
+    config = tiny_vl_config(architecture, tokenizer, **text_overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(torch.float32).eval()
     with torch.no_grad():

@@ -13,8 +13,9 @@ from framework import Engine
 from framework.multimodal.inputs import MultimodalInputs, is_pad_id
 from framework.sampling.params import SamplingParams
 from framework.scheduler.request import Req
+from framework.scheduler.rollout import RolloutError
 from framework.scheduler.scheduler import AdmissionError
-from framework.testing.tiny_vl_models import IMAGE_PLACEHOLDER, make_image
+from framework.testing.tiny_vl_models import IMAGE_PLACEHOLDER, make_image, save_tiny_vl_model
 from tests.multimodal.reference import Reference
 
 TEXT = f"All the world's a stage {IMAGE_PLACEHOLDER} and all the men."
@@ -186,3 +187,18 @@ def test_grammar_and_stop_conditions_with_images(qwen2_vl_model, make_engine, im
                            image_data=images[0])
     assert stopped["output_ids"] == free[: free.index(free[2]) + 1]
     assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_weight_update_from_disk_checks_the_vl_config(qwen2_vl_model, qwen2_5_vl_model, make_engine, images,
+                                                     tmp_path):
+    """The identity check compares the text config's sizes (nested in a VL config) and the
+    architecture; a matching checkpoint loads and serves the same tokens."""
+    eng = make_engine(qwen2_vl_model)
+    before = eng.generate(TEXT, greedy(4), image_data=images[0])["output_ids"]
+    with pytest.raises(RolloutError, match="architectures"):
+        eng.update_weights_from_disk(str(qwen2_5_vl_model))
+    wider = save_tiny_vl_model(tmp_path / "wider", "Qwen2VLForConditionalGeneration", intermediate_size=96)
+    with pytest.raises(RolloutError, match="intermediate_size"):
+        eng.update_weights_from_disk(str(wider))
+    assert eng.update_weights_from_disk(str(qwen2_vl_model))["success"]
+    assert eng.generate(TEXT, greedy(4), image_data=images[0])["output_ids"] == before
