@@ -299,5 +299,9 @@ def maybe_create_cuda_graph_runner(runner: Any, config: CudaGraphConfig) -> Cuda
     enabled = resolve_cuda_graph_enabled(config.enabled, runner.device.type, name, supports)
     if not enabled:
         return None
+    if getattr(runner, "uses_mrope", False):
+        # Graphs are captured with 1-D positions; M-RoPE decode feeds [3, n], so it runs eagerly.
+        logger.info("CUDA graphs off: the model takes M-RoPE positions")
+        return None
     sizes = capture_batch_sizes(config.batch_sizes, config.max_batch_size, runner.plan.max_running_requests)
     return CudaGraphRunner(runner, sizes, config.num_warmup_runs)
