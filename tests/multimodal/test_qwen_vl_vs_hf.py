@@ -117,3 +117,16 @@ def test_mixed_batch_equals_transformers(reference, make_engine, images, variant
     for (text, imgs), res in zip(prompts, results, strict=True):
         ids, _ = eng._tokenize(text, imgs or None)
         assert res["output_ids"] == reference.greedy(ids, imgs), text
+
+
+def test_bfloat16_first_tokens_equal_transformers(vl_model, make_engine, images):
+    """bf16 weights (vision tower and language model): the first two greedy tokens equal
+    transformers' bf16 model (later ones may part at a near-tie, as any two bf16 paths may)."""
+    text, imgs = prompt_and_images("two_images", images)
+    eng = make_engine("model.dtype=bfloat16")
+    assert eng.runner.dtype == torch.bfloat16
+    ids, _ = eng._tokenize(text, imgs)
+    ours = eng.generate(text, GREEDY, image_data=imgs)["output_ids"]
+    ref = Reference(vl_model)
+    ref.model = ref.model.to(torch.bfloat16)
+    assert ours[:2] == ref.greedy(ids, imgs)[:2]
