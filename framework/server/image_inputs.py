@@ -20,7 +20,6 @@ from typing import Any
 from framework.multimodal.inputs import MultimodalInputs
 from framework.server.errors import bad_request
 from framework.server.images import ImageLoader, ImageSource
-from framework.server.mm_wire import WireMultimodal, to_wire
 
 
 class ImageFrontend:
@@ -64,7 +63,7 @@ class ImageFrontend:
         # Decoding and resizing take milliseconds to seconds of CPU: never on the event loop.
         return await asyncio.to_thread(work)
 
-    def wire(self, mm: MultimodalInputs | None) -> WireMultimodal | None:
+    def wire(self, mm: MultimodalInputs | None) -> dict[str, Any] | None:
         """What the scheduler receives for ``mm``; on a PD decode server without pixels."""
         if mm is None:
             return None
@@ -75,7 +74,7 @@ class ImageFrontend:
             # delta arrives with the KV (framework.disaggregation), its only source here.
             mm = replace(mm, items=[replace(i, pixel_values=i.pixel_values[:0]) for i in mm.items],
                          mrope_position_delta=0)
-        return to_wire(mm)
+        return mm.to_wire()
 
 
 # -- OpenAI chat content parts --------------------------------------------------------------------

@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 
 from framework.scheduler.outputs import RequestOutput
-from framework.server.mm_wire import WireMultimodal
 
 # -- HTTP process -> scheduler process ----------------------------------------------------------
 
@@ -35,8 +34,9 @@ class GenerateReq(msgspec.Struct, tag="generate", omit_defaults=True):
     bootstrap_room: int | None = None
     priority: int | None = None
     token_ids_logprob: list[int] | None = None
-    mm_inputs: WireMultimodal | None = None
-    """Images (pixel tensors as raw bytes) and M-RoPE positions of a multimodal prompt."""
+    mm_inputs: dict[str, Any] | None = None
+    """A multimodal prompt's images and M-RoPE positions, as ``MultimodalInputs.to_wire`` gives
+    them (tensors as safetensors bytes: raw data + dtype + shape, never pickle)."""
 
 
 class GenerateBatch(msgspec.Struct, tag="generate_batch"):

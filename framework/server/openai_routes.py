@@ -16,7 +16,6 @@ from framework.server.group_response import released_on_error, request_errors, s
 from framework.server.http_utils import parse_model, require_bearer, sse
 from framework.server.image_inputs import chat_content
 from framework.server.images import ImageSource
-from framework.server.mm_wire import WireMultimodal
 from framework.server.openai_format import chat_logprobs, completion_logprobs, finish_reason, matched_stop, usage
 from framework.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
 from framework.server.request_builder import attach_bootstrap, new_rid, require, sub_rids
@@ -168,7 +167,7 @@ def message_dict(index: int, msg: ChatMessage, images: list[ImageSource] | None 
 
 
 async def _chat_prompt(server: ServerState, body: ChatCompletionRequest,
-                       tools: Any) -> tuple[list[int], WireMultimodal | None]:
+                       tools: Any) -> tuple[list[int], dict[str, Any] | None]:
     """The rendered prompt's ids (padded image spans with images) and what the scheduler gets."""
     frontend = server.images if server.images is not None and server.images.enabled else None
     images: list[ImageSource] | None = [] if frontend is not None else None

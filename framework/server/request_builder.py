@@ -18,7 +18,6 @@ from framework.plugins import get_registry
 from framework.sampling.logit_processor import check_custom_logit_processor
 from framework.sampling.params import SamplingParams, choice_seed
 from framework.server.errors import APIError, bad_request
-from framework.server.mm_wire import WireMultimodal
 from framework.server.structured import check_grammar
 from framework.server.tokenizer_manager import SubRequest
 
@@ -155,7 +154,7 @@ class RequestBuilder:
 
     def expand(self, rids: list[str], ids: list[int], params: SamplingParams, *, return_logprob: bool = False,
                top_logprobs_num: int = 0, logprob_start_len: int = -1, priority: int | None = None,
-               token_ids_logprob: list[int] | None = None, mm_inputs: WireMultimodal | None = None) -> list[SubRequest]:
+               token_ids_logprob: list[int] | None = None, mm_inputs: dict[str, Any] | None = None) -> list[SubRequest]:
         """The ``n`` scheduler requests of one prompt; seeded ones use seed, seed + 1, ... as the
         Engine does, so choice i of a seeded request is reproducible on its own."""
         subs = []

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from framework.engine.request_state import RequestState
 from framework.sampling.params import SamplingParams
 from framework.server import ipc
 from framework.server.errors import APIError
-from framework.server.mm_wire import WireMultimodal
 
 
 @dataclass
@@ -33,7 +33,7 @@ class SubRequest:
     priority: int | None = None
     token_ids_logprob: list[int] | None = None
     """SGLang's ``token_ids_logprob``: report these ids' logprobs at every output position."""
-    mm_inputs: WireMultimodal | None = None
+    mm_inputs: dict[str, Any] | None = None
     """A multimodal prompt's images and positions, ready for the wire (shared by ``n`` choices)."""
 
     def to_ipc(self) -> ipc.GenerateReq:

@@ -99,10 +99,10 @@ class SchedulerLoop:
             self.stopping = True
 
     def _add(self, batch: ipc.GenerateBatch) -> None:
+        from framework.multimodal.inputs import MultimodalInputs
         from framework.sampling.params import SamplingParams
         from framework.scheduler.request import Req
         from framework.scheduler.scheduler import AdmissionError, UnavailableError
-        from framework.server.mm_wire import from_wire
 
         added: list[str] = []
         group = batch.reqs[0].rid if len(batch.reqs) > 1 else None  # unique while any of them lives
@@ -122,7 +122,7 @@ class SchedulerLoop:
                     group=group,
                     priority=g.priority,
                     token_ids_logprob=g.token_ids_logprob,
-                    mm_inputs=from_wire(g.mm_inputs) if g.mm_inputs is not None else None,
+                    mm_inputs=MultimodalInputs.from_wire(g.mm_inputs) if g.mm_inputs is not None else None,
                 )
                 self.scheduler.add_request(req)
                 added.append(g.rid)

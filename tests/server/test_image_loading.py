@@ -22,9 +22,8 @@ from framework.config.schema import ServerConfig
 from framework.multimodal.inputs import ImageItem, MultimodalInputs
 from framework.server import ipc
 from framework.server.errors import APIError
-from framework.server.image_inputs import generate_image_sources
+from framework.server.image_inputs import ImageFrontend, generate_image_sources
 from framework.server.images import ImageLoader, ImageSource, sniff_format
-from framework.server.mm_wire import from_wire, to_wire
 
 
 def encoded(fmt: str = "PNG", size: tuple[int, int] = (8, 6), color: tuple[int, int, int] = (200, 10, 30)) -> bytes:
@@ -180,14 +179,14 @@ def test_generate_image_data_shapes():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_multimodal_inputs_cross_ipc_as_raw_bytes(dtype):
+def test_multimodal_inputs_cross_ipc_without_pickle(dtype):
     pixels = torch.randn(16, 12).to(dtype)
     mm = MultimodalInputs(items=[ImageItem(pixels, (1, 4, 4), 3, 4, 123456789)],
                           mrope_positions=torch.arange(30).reshape(3, 10).expand(3, 10), mrope_position_delta=-5)
-    req = ipc.GenerateReq(rid="r", input_ids=[1, 2, 3], sampling_params={}, mm_inputs=to_wire(mm))
+    req = ipc.GenerateReq(rid="r", input_ids=[1, 2, 3], sampling_params={}, mm_inputs=mm.to_wire())
     data = ipc.encode(ipc.GenerateBatch(reqs=[req]))
-    assert b"pickle" not in data
-    back = from_wire(ipc.decode_to_scheduler(data).reqs[0].mm_inputs)
+    assert b"pickle" not in data and len(data) < pixels.numel() * pixels.element_size() + 1000  # raw bytes
+    back = MultimodalInputs.from_wire(ipc.decode_to_scheduler(data).reqs[0].mm_inputs)
     assert back.items[0].pixel_values.dtype == dtype and torch.equal(back.items[0].pixel_values, pixels)
     assert back.items[0].grid_thw == (1, 4, 4) and (back.items[0].offset, back.items[0].length) == (3, 4)
     assert back.items[0].hash == 123456789 and back.mrope_position_delta == -5
@@ -202,11 +201,13 @@ def test_text_only_requests_carry_no_multimodal_field():
         data, type=ipc.GenerateReq)]))).reqs[0].mm_inputs is None
 
 
-def test_a_wrong_tensor_size_or_dtype_is_refused():
-    wire = to_wire(MultimodalInputs(items=[ImageItem(torch.zeros(2, 3), (1, 2, 2), 0, 1, 1)]))
-    wire.items[0].pixel_values.data = wire.items[0].pixel_values.data[:-4]
-    with pytest.raises(ValueError, match="needs 24 bytes"):
-        from_wire(wire)
-    wire.items[0].pixel_values.dtype = "object"
-    with pytest.raises(ValueError, match="unsupported tensor dtype"):
-        from_wire(wire)
+def test_a_pd_decode_server_sends_no_pixels_and_no_delta():
+    """Spans and positions only: the prefill server encodes, the delta comes with the KV."""
+    mm = MultimodalInputs(items=[ImageItem(torch.ones(16, 12), (1, 4, 4), 3, 4, 99)],
+                          mrope_positions=torch.zeros(3, 10, dtype=torch.int64), mrope_position_delta=-5)
+    frontend = ImageFrontend(object(), ImageLoader(ServerConfig()), "X", send_inputs=False)
+    back = MultimodalInputs.from_wire(frontend.wire(mm))
+    assert back.items[0].pixel_values.numel() == 0 and back.items[0].pad_value == mm.items[0].pad_value
+    assert back.mrope_position_delta == 0 and back.mrope_positions.shape == (3, 10)
+    assert MultimodalInputs.from_wire(ImageFrontend(object(), ImageLoader(ServerConfig())).wire(mm)) \
+        .mrope_position_delta == -5
