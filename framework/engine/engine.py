@@ -32,7 +32,8 @@ from framework.scheduler.scheduler import Scheduler
 
 Prompt = str | list[int]
 ImageData = Any
-"""One image (``PIL.Image``, encoded bytes or a file path) or a list of them, SGLang's ``image_data``."""
+"""One image (``PIL.Image``, bytes, file path, ``data:`` URL or base64) or a list of them: SGLang's
+``image_data``."""
 
 
 def eos_token_ids(generation_defaults: dict[str, Any], tokenizer: Any) -> list[int]:
@@ -146,8 +147,9 @@ class Engine(RolloutMethods):
         ``sampling_params`` may hold ``n``: each prompt then yields ``n`` results (seeded
         samples use ``seed + i``). ``image_data`` (vision-language models): for one prompt, an
         image or a list of images; for a batch, one such entry (or None) per prompt. An image is a
-        ``PIL.Image``, encoded bytes or a file path; the prompt holds one placeholder per image
-        (the processor's ``image_placeholder``, which the chat template emits).
+        ``PIL.Image``, encoded bytes, a file path, a ``data:`` URL or base64 text; the prompt holds
+        one placeholder per image (the processor's ``image_placeholder``, which the chat template
+        emits).
         """
         single = isinstance(prompt, str) or (
             isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))

@@ -110,6 +110,23 @@ def test_registered_as_plugins_and_text_models_have_none(tiny_model: Path):
                            AutoTokenizer.from_pretrained(tiny_model)) is None
 
 
+def test_load_image_accepts_sglang_forms(tmp_path: Path):
+    """PIL, bytes, a path, a data: URL and bare base64 all give the same pixels."""
+    import base64
+
+    img = make_image(30, 20, seed=3)
+    png = io.BytesIO()
+    img.save(png, format="PNG")
+    raw = png.getvalue()
+    path = tmp_path / "a.png"
+    path.write_bytes(raw)
+    b64 = base64.b64encode(raw).decode()
+    for form in (img, raw, path, str(path), f"data:image/png;base64,{b64}", b64):
+        assert load_image(form).tobytes() == img.tobytes()
+    with pytest.raises(ValueError, match="not fetched"):
+        load_image("https://example.com/a.png")
+
+
 def test_load_image_refuses_garbage(tmp_path: Path):
     with pytest.raises(ValueError, match="cannot decode"):
         load_image(b"not an image")
@@ -117,6 +134,8 @@ def test_load_image_refuses_garbage(tmp_path: Path):
     bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     with pytest.raises(ValueError, match="cannot decode"):
         load_image(bad)
+    with pytest.raises(ValueError, match="data: URL, an existing file path or base64"):
+        load_image("no/such/file.png")
 
 
 def test_inputs_round_trip_the_rank_wire(qwen2_vl_model: Path, images):
