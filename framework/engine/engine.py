@@ -85,9 +85,10 @@ class Engine(RolloutMethods):
 
     def _tokenize(self, prompt: Prompt, image_data: ImageData = None) -> tuple[list[int], MultimodalInputs | None]:
         images = image_data if isinstance(image_data, list | tuple) else [] if image_data is None else [image_data]
-        if images:
-            if self.mm_processor is None:
-                raise ValueError(f"model {self.runner.architecture} does not take images (no mm_processor)")
+        if images and self.mm_processor is None:
+            raise ValueError(f"model {self.runner.architecture} does not take images (no mm_processor)")
+        if self.mm_processor is not None:
+            # Text-only prompts too: a placeholder without an image is refused, not embedded.
             return self.mm_processor.process(prompt, [load_image(i) for i in images])
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt), None

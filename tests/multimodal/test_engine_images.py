@@ -202,3 +202,9 @@ def test_weight_update_from_disk_checks_the_vl_config(qwen2_vl_model, qwen2_5_vl
         eng.update_weights_from_disk(str(wider))
     assert eng.update_weights_from_disk(str(qwen2_vl_model))["success"]
     assert eng.generate(TEXT, greedy(4), image_data=images[0])["output_ids"] == before
+
+
+def test_placeholder_without_image_is_refused(qwen2_vl_model, make_engine):
+    eng = make_engine(qwen2_vl_model)
+    with pytest.raises(ValueError, match="1 image placeholder"):
+        eng.generate(TEXT, greedy(2))

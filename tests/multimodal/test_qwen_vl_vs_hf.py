@@ -93,7 +93,7 @@ def test_prompt_logits_and_greedy_equal_transformers(reference, make_engine, ima
     text, imgs = prompt_and_images(name, images)
     eng = make_engine(*([f"scheduler.chunked_prefill_size={chunk}"] if chunk else []))
     ids, mm = eng._tokenize(text, imgs or None)
-    assert (mm is not None) == bool(imgs)
+    assert len(mm.items) == len(imgs)
     rows = capture_extend_logits(eng)
     out = eng.generate(text, GREEDY, image_data=imgs or None, logprob_start_len=0)
     ours = torch.cat(rows)
