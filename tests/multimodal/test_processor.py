@@ -149,3 +149,36 @@ def test_inputs_round_trip_the_rank_wire(qwen2_vl_model: Path, images):
     assert torch.equal(back.mrope_positions, mm.mrope_positions)
     for a, b in zip(back.items, mm.items, strict=True):
         assert torch.equal(a.pixel_values, b.pixel_values) and (a.grid_thw, a.hash) == (b.grid_thw, b.hash)
+
+
+def test_a_third_party_processor_is_found_by_architecture(register_plugin, plugins):
+    """A plugin object registering a processor for its own architecture: ``build_processor`` builds
+    it with the model's path, config, tokenizer and the options dataclass."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from framework.hookspecs import hookimpl
+    from framework.multimodal.processor import MultimodalProcessor
+
+    @dataclasses.dataclass
+    class Opts:
+        max_side: int = 64
+
+    class MyProcessor(MultimodalProcessor):
+        image_placeholder = "<img>"
+
+        def process(self, prompt, images):
+            raise NotImplementedError
+
+    class MyPlugin:
+        @hookimpl
+        def register_mm_processors(self, register):
+            register("MyVLForCausalLM", MyProcessor, config=Opts)
+
+    register_plugin(MyPlugin(), "my-vl")
+    config = SimpleNamespace(architectures=["MyVLForCausalLM"])
+    proc = build_processor("/some/path", config, "tok", options={"max_side": 32})
+    assert isinstance(proc, MyProcessor) and proc.options == Opts(32)
+    assert (proc.model_path, proc.hf_config, proc.tokenizer) == ("/some/path", config, "tok")
+    plugins.unregister("my-vl")
+    assert build_processor("/some/path", config, "tok") is None
