@@ -74,6 +74,14 @@ class MultimodalInputs:
         """``(start, end)`` of every image span, in prompt order."""
         return [(item.offset, item.end) for item in self.items]
 
+    def pixels_needed_until(self) -> int:
+        """End of the last image span whose pixels are absent (0 when every image has its pixels).
+
+        A PD decode server's scheduler gets spans but no pixels: the prefill server encoded them.
+        Such a request can be prefilled again (after a retraction) only from a cached prefix that
+        reaches this far."""
+        return max((item.end for item in self.items if item.pixel_values.numel() == 0), default=0)
+
     def check_ids(self, input_ids: list[int], vocab_size: int) -> str | None:
         """Why ``input_ids`` do not fit these inputs (None when they do): vocabulary ids outside
         the image spans, each span entirely its image's pad id (anything else would index a

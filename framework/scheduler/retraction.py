@@ -60,3 +60,23 @@ def make_room_for_decode(s: Scheduler) -> None:
     if retracted:
         s.new_token_ratio = s.cfg.init_new_token_ratio
         logger.info("retracted requests: %d running, %d waiting", len(s.running), len(s.waiting))
+
+
+def fail_unrecomputable(s: Scheduler) -> None:
+    """Finish, alone and with a clear error, each waiting request whose next prefill would need
+    an image encoder input it does not have.
+
+    A PD decode server receives an image request's KV but not its pixels. Retracted under KV
+    pressure, the request is prefilled again from the prefix cache, where its images' KV normally
+    still is; once evicted, nothing can recompute it, and a forward that tried would fail every
+    request of its batch. Checked only for requests that lack pixels (rare), once per step."""
+    for req in [r for r in s.waiting if r.mm_inputs is not None and r.mm_inputs.items]:
+        need = req.mm_inputs.pixels_needed_until()
+        if need == 0 or s.kv.match(req).prefix_len >= need:
+            continue
+        s.waiting.remove(req)
+        req.finished_reason = FinishReason(
+            "abort", message="this server has no pixels for the request's images (a PD decode server) and their "
+                             "KV left the prefix cache after the request was retracted; send it again")
+        s.finish(req, error=req.finished_reason.message)
+

@@ -45,7 +45,7 @@ from framework.scheduler.overlap import OverlapLoop
 from framework.scheduler.pd import PDSideFactory
 from framework.scheduler.prefill_planner import PrefillPlan, PrefillPlanner
 from framework.scheduler.request import FinishReason, Req
-from framework.scheduler.retraction import make_room_for_decode
+from framework.scheduler.retraction import fail_unrecomputable, make_room_for_decode
 from framework.scheduler.rollout import RolloutControl
 from framework.scheduler.stats import BatchStats, RequestStats
 
@@ -229,6 +229,8 @@ class Scheduler:
     def plan_prefill(self) -> PrefillPlan:
         """The next prefill batch the waiting queue and the chunked request allow (maybe empty)."""
         waiting = [] if self.hold_admission else self.waiting
+        if waiting:
+            fail_unrecomputable(self)
         # A mixed step's decode rows come out of the same token budget.
         decode_rows = len(self.running) if self.cfg.mixed_chunk else 0
         return self.planner.plan(waiting, self.running, self.chunked, self.new_token_ratio, decode_rows)

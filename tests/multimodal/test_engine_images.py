@@ -208,3 +208,34 @@ def test_placeholder_without_image_is_refused(qwen2_vl_model, make_engine):
     eng = make_engine(qwen2_vl_model)
     with pytest.raises(ValueError, match="1 image placeholder"):
         eng.generate(TEXT, greedy(2))
+
+
+def test_request_without_pixels_recomputes_only_from_cached_image_kv(qwen2_vl_model, make_engine, images,
+                                                                       monkeypatch):
+    """A PD decode server's scheduler has image spans but no pixels. Prefilled again (after a
+    retraction) with its image's KV still cached, the request gives the same tokens; with that KV
+    gone, it alone fails with a clear error and a text request in the same step is unaffected."""
+    from dataclasses import replace
+
+    eng = make_engine(qwen2_vl_model)
+    reference = eng.generate(TEXT, greedy(4), image_data=images[1])
+    text_alone = eng.generate("Now is the winter of our discontent", greedy(4))
+    real = eng._tokenize
+
+    def without_pixels(prompt, image_data):
+        ids, mm = real(prompt, image_data)
+        if mm is not None:
+            mm = replace(mm, items=[replace(i, pixel_values=i.pixel_values[:0]) for i in mm.items])
+        return ids, mm
+
+    monkeypatch.setattr(eng, "_tokenize", without_pixels)
+    cached = eng.generate([TEXT, "Now is the winter of our discontent"], greedy(4), image_data=[images[1], None])
+    assert cached[0]["output_ids"] == reference["output_ids"]
+    assert cached[1]["output_ids"] == text_alone["output_ids"]
+
+    eng.flush_cache()
+    lost = eng.generate([TEXT, "Now is the winter of our discontent"], greedy(4), image_data=[images[1], None])
+    finish = lost[0]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and "no pixels" in finish["message"], finish
+    assert lost[0]["output_ids"] == []
+    assert lost[1]["output_ids"] == text_alone["output_ids"]
