@@ -95,5 +95,5 @@ def test_pd_across_tp_sizes_matches_unified(workload, tmp_path, backend, prefill
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
 def test_pd_gqa_replicated_heads(tmp_path, prefill_tp, decode_tp):
     """One KV head, two ranks: both ranks hold the head; a decode rank takes it from prefill rank 0."""
-    model = save_tiny_model(tmp_path / "model-1kv", num_key_value_heads=1)
+    model = save_tiny_model(tmp_path / "one-kv-head" / "model", num_key_value_heads=1)  # served as "model"
     run_cluster(tmp_path, make_workload(model), "nccl", prefill_tp, decode_tp)

@@ -5,6 +5,12 @@ Each side starts a TransferEngine (``P2PHANDSHAKE`` metadata: peers find each ot
 merged page run straight into the receiver's registered memory (``batch_transfer_sync_write``:
 source addresses, destination addresses and lengths from ``transfer_spans``), then pushes a
 completion notice with the metadata over zmq (``plugins.transfer.notify``).
+
+A link between servers of different TP sizes moves a head slice of each token slot. Where the
+receiver takes whole slots (a decode rank of a larger TP size), the sender first gathers the slice
+of each page into a registered staging buffer laid out as the receiver's pages, so a run of pages
+is one write again instead of one per token slot (``staging_mb``). Where the receiver takes a
+slice of its slots, the writes stay strided (one per token slot): a one-sided write cannot scatter.
 """
 
 from __future__ import annotations
@@ -15,7 +21,17 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from framework.disaggregation.addressing import check_compatible, check_pages, merge_page_runs, transfer_spans
+import torch
+
+from framework.disaggregation.addressing import (
+    PageRun,
+    TransferSpan,
+    check_compatible,
+    check_pages,
+    merge_page_runs,
+    slice_slots,
+    transfer_spans,
+)
 from framework.disaggregation.base import KVLayout, RoomTableBackend, TransferState
 from plugins.transfer.notify import Notice, NoticeReceiver, NoticeSender
 
@@ -37,6 +53,10 @@ class MooncakeOptions:
     max_batch_size: int = 2048
     """Most spans per ``batch_transfer_sync_write`` call: Mooncake 0.3.13 answers -1 to a batch of
     more than 2048 entries, which a fragmented room (pages x layers x K/V) easily exceeds."""
+    staging_mb: int = 64
+    """Registered staging buffer (MiB) of a sender whose link moves a head slice into whole token
+    slots: the slices are gathered there so each run of pages is one write; 0 writes one span
+    per token slot instead."""
 
 
 class MooncakeTransferBackend(RoomTableBackend):
@@ -70,6 +90,7 @@ class MooncakeTransferBackend(RoomTableBackend):
         self._receiver = NoticeReceiver(options.hostname, self._on_notice) if role == "decode" else None
         self._outbox: queue.Queue[tuple[int, list[int], list[int], bytes] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
+        self._staging: torch.Tensor | None = None
 
     @classmethod
     def create(cls, role: str, layout: KVLayout, options: MooncakeOptions | None = None) -> MooncakeTransferBackend:
@@ -82,8 +103,15 @@ class MooncakeTransferBackend(RoomTableBackend):
         return ep
 
     def connect(self, peer: dict[str, Any]) -> None:
-        check_compatible(self.layout, KVLayout.from_json(peer["layout"]))
+        peer_layout = KVLayout.from_json(peer["layout"])
+        check_compatible(self.layout, peer_layout)
         self._peer = peer
+        staged = not self.layout.whole and peer_layout.whole and self.layout.buffers
+        if self.role == "prefill" and staged and self.options.staging_mb > 0 and self._staging is None:
+            staging = torch.empty(self.options.staging_mb << 20, dtype=torch.uint8)
+            if self.engine.register_memory(staging.data_ptr(), staging.numel()) != 0:
+                raise RuntimeError("Mooncake register_memory of the staging buffer failed")
+            self._staging = staging
         if self.role == "prefill" and self._worker is None:
             self._worker = threading.Thread(target=self._send_loop, name="pd-mooncake-send", daemon=True)
             self._worker.start()
@@ -109,17 +137,11 @@ class MooncakeTransferBackend(RoomTableBackend):
                     self._busy_room = room
                 error = None
                 try:
-                    spans = transfer_spans(self.layout, peer_layout, merge_page_runs(src, dst))
-                    step = max(1, self.options.max_batch_size)
-                    for i in range(0, len(spans), step):
-                        batch = spans[i : i + step]
-                        ret = self.engine.batch_transfer_sync_write(
-                            self._peer["session"], [s.src_addr for s in batch], [s.dst_addr for s in batch],
-                            [s.nbytes for s in batch],
-                        )
-                        if ret < 0:
-                            error = f"Mooncake batch_transfer_sync_write failed ({ret}, {len(batch)} spans)"
-                            break
+                    runs = merge_page_runs(src, dst)
+                    if self._staging is not None:
+                        error = self._write_staged(runs, peer_layout)
+                    else:
+                        error = self._write(transfer_spans(self.layout, peer_layout, runs))
                 except Exception as exc:  # a broken peer must fail the room, not the thread
                     error = f"Mooncake transfer failed: {exc}"
                 notices.send(Notice(room, error is None, metadata if error is None else b"", error))
@@ -132,6 +154,52 @@ class MooncakeTransferBackend(RoomTableBackend):
                         task.fail(error)
         finally:
             notices.close()
+
+    def _write(self, spans: list[TransferSpan]) -> str | None:
+        """Write the spans in batches of at most ``max_batch_size``; the error, or None."""
+        step = max(1, self.options.max_batch_size)
+        for i in range(0, len(spans), step):
+            batch = spans[i : i + step]
+            ret = self.engine.batch_transfer_sync_write(
+                self._peer["session"], [s.src_addr for s in batch], [s.dst_addr for s in batch],
+                [s.nbytes for s in batch],
+            )
+            if ret < 0:
+                return f"Mooncake batch_transfer_sync_write failed ({ret}, {len(batch)} spans)"
+        return None
+
+    def _write_staged(self, runs: list[PageRun], peer: KVLayout) -> str | None:
+        """Gather this side's head slice of as many pages as the staging buffer holds (laid out
+        as the receiver's whole pages, buffer by buffer), write each run from there, repeat."""
+        assert self._staging is not None
+        lay = self.layout
+        check_compatible(lay, peer)
+        for r in runs:
+            check_pages(peer, range(r.dst_page, r.dst_page + r.num_pages), "destination")
+        page = peer.bytes_per_page  # one page of the slice = one whole page of the receiver
+        room = max(1, self._staging.numel() // (page * lay.num_buffers))
+        cols = slice(lay.slice_offset, lay.slice_offset + lay.moved_token_bytes)
+        pieces = [PageRun(r.src_page + i, r.dst_page + i, min(room, r.num_pages - i))
+                  for r in runs for i in range(0, r.num_pages, room)]
+        while pieces:
+            chunk, total = [], 0
+            while pieces and total + pieces[0].num_pages <= room:
+                chunk.append(pieces.pop(0))
+                total += chunk[-1].num_pages
+            pages = [r.src_page + i for r in chunk for i in range(r.num_pages)]
+            slots = torch.tensor(slice_slots(lay, pages), dtype=torch.int64)
+            out = self._staging[: lay.num_buffers * total * page].view(lay.num_buffers, -1, lay.moved_token_bytes)
+            for i, buf in enumerate(lay.buffers):
+                torch.index_select(buf.view(-1, lay.token_bytes)[:, cols], 0, slots, out=out[i])
+            base, spans, done = self._staging.data_ptr(), [], 0
+            for r in chunk:
+                spans.extend(TransferSpan(i, base + (i * total + done) * page, peer.ptrs[i] + r.dst_page * page,
+                                          r.num_pages * page) for i in range(lay.num_buffers))
+                done += r.num_pages
+            error = self._write(spans)
+            if error is not None:
+                return error
+        return None
 
     # -- receiver --------------------------------------------------------------------------
 
@@ -157,5 +225,7 @@ class MooncakeTransferBackend(RoomTableBackend):
         self._outbox.put(None)
         if self._worker is not None:
             self._worker.join(timeout=10)
+        if self._staging is not None:
+            self.engine.unregister_memory(self._staging.data_ptr())
         if self._receiver is not None:
             self._receiver.close()
