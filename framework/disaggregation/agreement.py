@@ -20,14 +20,14 @@ from typing import Any
 
 import msgspec
 
-from framework.distributed.state import get_tensor_parallel
+from framework.distributed.state import TensorParallel, get_tensor_parallel
 
 
 class RankAgreement:
     """One gather-decide-broadcast per call, over this process's tensor-parallel group."""
 
-    def __init__(self) -> None:
-        tp = get_tensor_parallel()
+    def __init__(self, tp: TensorParallel | None = None) -> None:
+        tp = tp or get_tensor_parallel()
         self.comm, self.rank, self.size = tp.comm, tp.rank, tp.size
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder()
