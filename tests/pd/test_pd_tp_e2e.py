@@ -97,3 +97,38 @@ def test_pd_gqa_replicated_heads(tmp_path, prefill_tp, decode_tp):
     """One KV head, two ranks: both ranks hold the head; a decode rank takes it from prefill rank 0."""
     model = save_tiny_model(tmp_path / "one-kv-head" / "model", num_key_value_heads=1)  # served as "model"
     run_cluster(tmp_path, make_workload(model), "nccl", prefill_tp, decode_tp)
+
+
+@pytest.mark.slow(reason="three model processes started twice; the relinking path across ranks")
+def test_prefill_ranks_relink_together_when_the_decode_server_restarts(workload, tmp_path):
+    """A prefill server of TP 2 whose decode server is killed (SIGKILL) and restarted on the same
+    port: both prefill ranks drop their links and link to the new decode session in the same
+    step (agreed), the same requests give the same tokens again, and no rank of either server
+    leaks."""
+    p_port, d_port, b_port, r_port = (free_port() for _ in range(4))
+    pd = ["disaggregation.transfer_backend=nccl", "disaggregation.bootstrap_timeout_s=60",
+          "disaggregation.transfer_timeout_s=60"]
+    base = ["serve", *COMMON, f"model.path={workload[0]}", *KV, *pd]
+    decode_args = [*base, f"server.port={d_port}", "disaggregation.mode=decode", "memory_pool.name=decode_prealloc"]
+    prefill = spawn([*base, f"server.port={p_port}", "disaggregation.mode=prefill",
+                     f"disaggregation.bootstrap_port={b_port}", "parallel.tp_size=2"], tmp_path / "prefill.log", p_port)
+    decode = spawn(decode_args, tmp_path / "decode.log", d_port)
+    router = spawn(["router", "--prefill", prefill.url, str(b_port), "--decode", decode.url, "--port", str(r_port)],
+                   tmp_path / "router.log", r_port)
+    servers = [prefill, decode, router]
+    try:
+        for s in reversed(servers):
+            s.wait_healthy()
+        run_workload(router.url, workload, "before the restart")
+        decode.proc.kill()
+        decode.proc.wait(timeout=30)
+        servers[1] = decode = spawn(decode_args, tmp_path / "decode-2.log", d_port)
+        decode.wait_healthy()
+        run_workload(router.url, workload, "after the restart")
+        time.sleep(0.5)
+        assert_no_leak(prefill)
+        assert_no_leak(decode)
+        assert "registered anew" in prefill.log.read_text() or "broke" in prefill.log.read_text()
+    finally:
+        for s in servers:
+            s.stop(timeout=20)
