@@ -6,6 +6,11 @@ posts one WRITE of every merged page run (descriptors from ``transfer_spans``) w
 that carries the room and the metadata (msgpack); the receiver completes a room when that
 notification arrives, which NIXL delivers after the data. No thread of our own: the scheduler's
 polls drive everything, and NIXL's progress thread moves the bytes.
+
+A link that moves a head slice into whole token slots (a decode rank of a larger TP size) first
+gathers the room's slices into a staging tensor laid out as the receiver's pages, registered for
+the room's WRITE and deregistered with its handle, so a run of pages is one descriptor instead
+of one per token slot.
 """
 
 from __future__ import annotations
@@ -17,8 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import torch
 
-from framework.disaggregation.addressing import check_compatible, check_pages, merge_page_runs, transfer_spans
+from framework.disaggregation.addressing import (
+    TransferSpan,
+    check_compatible,
+    check_pages,
+    merge_page_runs,
+    slice_slots,
+    transfer_spans,
+)
 from framework.disaggregation.base import KVLayout, RoomTableBackend, TransferState, TransferTask
 
 logger = logging.getLogger(__name__)
@@ -63,6 +76,8 @@ class NixlTransferBackend(RoomTableBackend):
         """Handles of released rooms whose WRITE was still in flight (``quiescent``)."""
         self._peer_name: str | None = None
         self._peer_layout: KVLayout | None = None
+        self._staged: dict[int, tuple[torch.Tensor, Any]] = {}
+        """Per room in flight: its gathered head slices and their registration."""
 
     @classmethod
     def create(cls, role: str, layout: KVLayout, options: NixlOptions | None = None) -> NixlTransferBackend:
@@ -84,19 +99,52 @@ class NixlTransferBackend(RoomTableBackend):
         task = self.add_room(room)
         try:
             assert self._peer_name is not None and self._peer_layout is not None, "connect() first"
-            spans = transfer_spans(self.layout, self._peer_layout, merge_page_runs(src_pages, dst_pages))
+            spans = self._spans(room, src_pages, dst_pages)
             local = self.agent.get_xfer_descs([(s.src_addr, s.nbytes, self.dev_id) for s in spans], self.mem_type)
             remote = self.agent.get_xfer_descs([(s.dst_addr, s.nbytes, self.dev_id) for s in spans], self.mem_type)
             notif = msgspec.msgpack.encode(_Notif(room, metadata))
             handle = self.agent.initialize_xfer("WRITE", local, remote, self._peer_name, notif)
             state = self.agent.transfer(handle)
         except Exception as exc:
+            self._unstage(room)
             task.fail(f"NIXL transfer could not start: {exc}")
             return
         task.advance(TransferState.transferring)
         self._handles[room] = handle
         if state == "ERR":
             task.fail("NIXL transfer failed to post")
+
+    def _spans(self, room: int, src_pages: list[int], dst_pages: list[int]) -> list[TransferSpan]:
+        """The room's descriptors: from the KV itself, or from a staging copy of its head slices
+        when the receiver takes whole token slots (one descriptor per run, not per slot)."""
+        lay, peer = self.layout, self._peer_layout
+        assert peer is not None
+        runs = merge_page_runs(src_pages, dst_pages)
+        if lay.whole or not peer.whole or not lay.buffers:
+            return transfer_spans(lay, peer, runs)
+        check_compatible(lay, peer)
+        check_pages(peer, dst_pages, "destination")
+        page, cols = peer.bytes_per_page, slice(lay.slice_offset, lay.slice_offset + lay.moved_token_bytes)
+        slots = torch.tensor(slice_slots(lay, [r.src_page + i for r in runs for i in range(r.num_pages)]))
+        staging = torch.stack([buf.view(-1, lay.token_bytes)[slots, cols] for buf in lay.buffers]).view(-1)
+        reg = self.agent.register_memory(self.agent.get_reg_descs([(staging.data_ptr(), staging.numel(),
+                                                                   self.dev_id, "")], self.mem_type))
+        self._staged[room] = (staging, reg)
+        total, spans, done = len(src_pages), [], 0
+        for r in runs:
+            spans.extend(TransferSpan(i, staging.data_ptr() + (i * total + done) * page,
+                                      peer.ptrs[i] + r.dst_page * page, r.num_pages * page)
+                         for i in range(lay.num_buffers))
+            done += r.num_pages
+        return spans
+
+    def _unstage(self, room: int) -> None:
+        staged = self._staged.pop(room, None)
+        if staged is not None:
+            try:
+                self.agent.deregister_memory(staged[1])
+            except Exception:
+                logger.debug("NIXL staging of room %d not deregistered", room, exc_info=True)
 
     def _progress_send(self, room: int, task: TransferTask) -> None:
         handle = self._handles.get(room)
@@ -156,6 +204,7 @@ class NixlTransferBackend(RoomTableBackend):
             self.agent.release_xfer_handle(handle)
         except Exception:
             logger.debug("NIXL handle of room %d not released", room, exc_info=True)
+        self._unstage(room)  # the WRITE has ended: its staging copy is no longer read
 
     def forget_room(self, room: int) -> None:
         handle = self._handles.pop(room, None)
@@ -197,6 +246,9 @@ class NixlTransferBackend(RoomTableBackend):
         self._handles.clear()
         self._draining.clear()
         try:
+            for _staging, reg in self._staged.values():
+                agent.deregister_memory(reg)
+            self._staged.clear()
             if self._peer_name is not None:
                 agent.remove_remote_agent(self._peer_name)
             agent.deregister_memory(self._reg)
