@@ -65,3 +65,40 @@ def register_plugin(plugins: PluginSet) -> Iterator:
     for name in names:
         if plugins.pm.get_plugin(name) is not None:
             plugins.unregister(name)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the test, restored after: comparisons against transformers must
+    not depend on how a reduction was split across threads, and one thread keeps the two cores'
+    other tests (and servers) from oversubscribing. Modules use it with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture
+def engine_factory() -> Iterator:
+    """``make(path, *overrides)`` builds an in-process Engine on ``path`` (the overrides after
+    ``kv_cache.max_total_tokens=2048``, so they win); after the test each engine must be idle,
+    with no KV leaked or left protected and every request row free."""
+    from framework import Engine
+
+    engines: list[Engine] = []
+
+    def make(path: Path, *overrides: str) -> Engine:
+        eng = Engine(overrides=[f"model.path={path}", "kv_cache.max_total_tokens=2048", *overrides], progress=False)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        report = eng.leak_report()
+        assert report["leaked"] == 0, report
+        assert report["protected"] == 0, report
+        assert report["req_slots_free"] == report["req_slots_total"], report
+        assert not eng.scheduler.has_work()

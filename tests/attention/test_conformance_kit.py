@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -18,13 +16,7 @@ from framework.testing.attention_conformance import (
 )
 from plugins.attention.torch_native import TorchNativeAttnBackend
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class PrefixBlindBackend(TorchNativeAttnBackend):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -89,22 +88,9 @@ def llama(cases) -> tuple:
 
 
 @pytest.fixture
-def make_engine():
-    """Build engines; after the test, each must be idle with nothing leaked."""
-    engines: list[Engine] = []
-
-    def make(path: Path, *overrides: str) -> Engine:
-        eng = Engine(overrides=[f"model.path={path}", "kv_cache.max_total_tokens=2048", *overrides], progress=False)
-        engines.append(eng)
-        return eng
-
-    yield make
-    for eng in engines:
-        report = eng.leak_report()
-        assert report["leaked"] == 0, report
-        assert report["protected"] == 0, report
-        assert report["req_slots_free"] == report["req_slots_total"], report
-        assert not eng.scheduler.has_work()
+def make_engine(engine_factory):
+    """Build engines; after the test, each must be idle with nothing leaked (tests/conftest.py)."""
+    return engine_factory
 
 
 def run_staggered(eng: Engine, prompts: list[list[int]]) -> list[list[int]]:

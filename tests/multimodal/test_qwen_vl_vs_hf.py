@@ -10,7 +10,6 @@ span (chunks that start and end inside one).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,7 @@ PROMPTS: dict[str, tuple[str, list[int]]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +42,10 @@ def reference(vl_model: Path) -> Reference:
 
 
 @pytest.fixture
-def make_engine(vl_model: Path) -> Iterator:
-    """Engines on the VL checkpoint; after the test each must be idle with nothing leaked."""
-    engines: list[Engine] = []
-
-    def make(*overrides: str) -> Engine:
-        eng = Engine(overrides=[f"model.path={vl_model}", "kv_cache.max_total_tokens=1024", "model.dtype=float32",
-                                *overrides], progress=False)
-        engines.append(eng)
-        return eng
-
-    yield make
-    for eng in engines:
-        report = eng.leak_report()
-        assert report["leaked"] == 0, report
-        assert report["req_slots_free"] == report["req_slots_total"], report
+def make_engine(vl_model: Path, engine_factory):
+    """Engines on the VL checkpoint in fp32; after the test each must be idle with nothing leaked."""
+    return lambda *overrides: engine_factory(vl_model, "kv_cache.max_total_tokens=1024", "model.dtype=float32",
+                                             *overrides)
 
 
 def capture_extend_logits(eng: Engine) -> list[torch.Tensor]:
