@@ -139,17 +139,23 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def cmd_transfer(args: argparse.Namespace) -> int:
-    from framework.bench.offline import append_result, environment
+def page_layout(args: argparse.Namespace) -> tuple[int, int, list[int], list[int], int, int]:
+    """``(page_bytes, num_pages, src_pages, dst_pages, pool_pages, merged_runs)`` of a room the
+    size ``--total-mb`` asks for (``bench transfer`` and ``bench transfer-heads`` share it)."""
+    from framework.disaggregation.addressing import merge_page_runs
 
     page_bytes = args.page_kb * 1024
     if page_bytes % (16 * 8 * 2):
         raise SystemExit("--page-kb must be a multiple of 4 (a page is 16 tokens x 8 heads x head_dim x fp16)")
     num_pages = max(1, round(args.total_mb * 1e6 / (2 * args.layers * page_bytes)))
     src, dst, pool = page_set(num_pages, args.run_pages, args.seed)
-    from framework.disaggregation.addressing import merge_page_runs
+    return page_bytes, num_pages, src, dst, pool, len(merge_page_runs(src, dst))
 
-    runs = len(merge_page_runs(src, dst))
+
+def cmd_transfer(args: argparse.Namespace) -> int:
+    from framework.bench.offline import append_result, environment
+
+    page_bytes, num_pages, src, dst, pool, runs = page_layout(args)
     moved = num_pages * 2 * args.layers * page_bytes
     spec = {"layers": args.layers, "page_bytes": page_bytes, "pool_pages": pool, "src_pages": src,
             "dst_pages": dst, "iters": args.iters, "warmup": args.warmup, "timeout_s": args.timeout}

@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from framework.bench.transfer import BACKENDS, LIBRARY_MODULE, _installed, page_set, run_backend, summarize_backend
+from framework.bench.transfer import BACKENDS, LIBRARY_MODULE, _installed, page_layout, run_backend, summarize_backend
 from framework.bench.transfer_peer import LAYOUTS
 
 
@@ -58,14 +58,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def cmd_transfer_heads(args: argparse.Namespace) -> int:
     from framework.bench.offline import append_result, environment
-    from framework.disaggregation.addressing import merge_page_runs
 
-    page_bytes = args.page_kb * 1024
-    if page_bytes % (16 * 8 * 2):
-        raise SystemExit("--page-kb must be a multiple of 4 (a page is 16 tokens x 8 heads x head_dim x fp16)")
-    num_pages = max(1, round(args.total_mb * 1e6 / (2 * args.layers * page_bytes)))
-    src, dst, pool = page_set(num_pages, args.run_pages, args.seed)
-    runs = len(merge_page_runs(src, dst))
+    page_bytes, num_pages, src, dst, pool, runs = page_layout(args)
     print(f"{num_pages} pages x {2 * args.layers} buffers, {runs} merged runs: whole pages = {runs * 2 * args.layers} "
           f"spans, a head slice = {num_pages * 16 * 2 * args.layers} (one per token slot)", flush=True)
     rows = []
