@@ -21,8 +21,8 @@ import pytest
 from framework import Engine
 from framework.testing.tiny_vl_models import IMAGE_PLACEHOLDER
 from tests.multimodal.test_serve_images import png
-from tests.pd.test_router_e2e import KV, spawn, start_pd_servers
-from tests.server.conftest import assert_no_leak, free_port
+from tests.pd.test_router_e2e import KV, start_pd_router, start_pd_servers
+from tests.server.conftest import assert_no_leak
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -49,9 +49,7 @@ def reference(qwen2_vl_model: Path, images: list[Any]) -> list[list[int]]:
 def cluster(qwen2_vl_model: Path, tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("pd-vl")
     prefill, decode, b_port = start_pd_servers(tmp, qwen2_vl_model, "nccl")
-    r_port = free_port()
-    router = spawn(["router", "--prefill", prefill.url, str(b_port), "--decode", decode.url, "--port", str(r_port)],
-                   tmp / "router.log", r_port)
+    router = start_pd_router(tmp, prefill, decode, b_port)
     servers = [prefill, decode, router]
     try:
         for s in reversed(servers):

@@ -19,7 +19,7 @@ import pytest
 
 from framework import Engine
 from framework.testing.tiny_models import save_tiny_model
-from tests.pd.test_router_e2e import BACKENDS, _installed, run_workload, spawn
+from tests.pd.test_router_e2e import BACKENDS, _installed, run_workload, spawn, start_pd_router
 from tests.server.conftest import COMMON, assert_no_leak, free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -62,7 +62,7 @@ def workload(tmp_path_factory):
 def run_cluster(tmp: Path, workload, backend: str, prefill_tp: int, decode_tp: int) -> None:
     if not _installed(BACKENDS[backend]):
         pytest.skip(f"the {backend} transfer backend's library ({BACKENDS[backend]}) is not installed")
-    p_port, d_port, b_port, r_port = (free_port() for _ in range(4))
+    p_port, d_port, b_port = (free_port() for _ in range(3))
     pd = [f"disaggregation.transfer_backend={backend}", "disaggregation.bootstrap_timeout_s=60",
           "disaggregation.transfer_timeout_s=60"]
     base = ["serve", *COMMON, f"model.path={workload[0]}", *KV, *pd]
@@ -72,8 +72,7 @@ def run_cluster(tmp: Path, workload, backend: str, prefill_tp: int, decode_tp: i
         spawn([*base, f"server.port={d_port}", "disaggregation.mode=decode", "memory_pool.name=decode_prealloc",
                f"parallel.tp_size={decode_tp}"], tmp / "decode.log", d_port),
     ]
-    servers.append(spawn(["router", "--prefill", servers[0].url, str(b_port), "--decode", servers[1].url,
-                          "--port", str(r_port)], tmp / "router.log", r_port))
+    servers.append(start_pd_router(tmp, servers[0], servers[1], b_port))
     try:
         for s in reversed(servers):
             s.wait_healthy()
@@ -105,7 +104,7 @@ def test_prefill_ranks_relink_together_when_the_decode_server_restarts(workload,
     port: both prefill ranks drop their links and link to the new decode session in the same
     step (agreed), the same requests give the same tokens again, and no rank of either server
     leaks."""
-    p_port, d_port, b_port, r_port = (free_port() for _ in range(4))
+    p_port, d_port, b_port = (free_port() for _ in range(3))
     pd = ["disaggregation.transfer_backend=nccl", "disaggregation.bootstrap_timeout_s=60",
           "disaggregation.transfer_timeout_s=60"]
     base = ["serve", *COMMON, f"model.path={workload[0]}", *KV, *pd]
@@ -113,8 +112,7 @@ def test_prefill_ranks_relink_together_when_the_decode_server_restarts(workload,
     prefill = spawn([*base, f"server.port={p_port}", "disaggregation.mode=prefill",
                      f"disaggregation.bootstrap_port={b_port}", "parallel.tp_size=2"], tmp_path / "prefill.log", p_port)
     decode = spawn(decode_args, tmp_path / "decode.log", d_port)
-    router = spawn(["router", "--prefill", prefill.url, str(b_port), "--decode", decode.url, "--port", str(r_port)],
-                   tmp_path / "router.log", r_port)
+    router = start_pd_router(tmp_path, prefill, decode, b_port)
     servers = [prefill, decode, router]
     try:
         for s in reversed(servers):

@@ -65,6 +65,14 @@ def start_pd_servers(tmp: Path, model: Path, backend: str) -> tuple[Server, Serv
     return prefill, decode, b_port
 
 
+def start_pd_router(tmp: Path, prefill: Server, decode: Server, bootstrap_port: int) -> Server:
+    """``plugserve router`` pairing ``prefill`` (its bootstrap on ``bootstrap_port``) with ``decode``
+    (not yet healthy)."""
+    port = free_port()
+    return spawn(["router", "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url, "--port", str(port)],
+                 tmp / "router.log", port)
+
+
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory):
     """The tiny model, the requests, and the unified engine's tokens for them (computed once)."""
@@ -85,9 +93,7 @@ def pd_cluster(request, workload, tmp_path_factory):
         pytest.skip(f"the {backend} transfer backend's library ({BACKENDS[backend]}) is not installed")
     tmp = tmp_path_factory.mktemp(f"pd-e2e-{backend}")
     prefill, decode, b_port = start_pd_servers(tmp, workload[0], backend)
-    r_port = free_port()
-    servers = [prefill, decode, spawn(["router", "--prefill", prefill.url, str(b_port), "--decode", decode.url,
-                                       "--port", str(r_port)], tmp / "router.log", r_port)]
+    servers = [prefill, decode, start_pd_router(tmp, prefill, decode, b_port)]
     try:
         for s in reversed(servers):  # the router first: it starts in a second
             s.wait_healthy()
