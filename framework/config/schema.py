@@ -34,6 +34,12 @@ class CpuLinear(Enum):
     aten = "aten"
 
 
+class CpuSmallGemm(Enum):
+    auto = "auto"
+    kernel = "kernel"
+    onednn = "onednn"
+
+
 class DisaggregationMode(Enum):
     prefill = "prefill"
     decode = "decode"
@@ -81,6 +87,11 @@ class DeviceConfig:
     """Linear layers on CPU: onednn (weights pre-packed once for oneDNN, ~1.4-2x faster fp32 GEMM/GEMV;
     bf16 too on CPUs with native bf16 dot products), aten (torch's F.linear) or auto (onednn for the
     models it can pack when torch has it)."""
+    cpu_small_gemm: CpuSmallGemm = CpuSmallGemm.auto
+    """Linear calls of up to 8 rows (decode steps) with onednn linears in fp32: kernel (plugserve's C
+    GEMV kernel, on a second, plain copy of the linear weights; 1.1-1.4x faster there than oneDNN on
+    the 2-core test hosts), onednn (the packed weights alone), or auto (kernel when the copy takes
+    at most a quarter of the memory available at load time)."""
 
 
 @dataclass

@@ -21,10 +21,16 @@ from framework.errors import ConfigError
 from framework.executor.cuda_graph_runner import CudaGraphRunner, maybe_create_cuda_graph_runner
 from framework.executor.forward_batch import ForwardBatch
 from framework.executor.weights import ModelWeights
+from framework.kernels.small_gemm import kernel_available as small_gemm_available
 from framework.memory.kv_allocator import PagedKVAllocator
 from framework.memory.kv_cache import KVCache
-from framework.memory.memory_saver import MEMORY_TAGS, MemorySaver
-from framework.models.cpu_linear import onednn_linear_available, pack_linear_layers, packable_dtypes
+from framework.memory.memory_saver import MEMORY_TAGS, MemorySaver, available_memory_bytes
+from framework.models.cpu_linear import (
+    onednn_linear_available,
+    pack_linear_layers,
+    packable_dtypes,
+    small_gemm_extra_bytes,
+)
 from framework.models.loader import build_model, config_dtype, load_hf_config, resolve_dtype
 from framework.plugins import get_registry
 
@@ -85,7 +91,8 @@ class ModelRunner:
         """The model takes ``[3, num_tokens]`` M-RoPE positions (Qwen2-VL family)."""
         self.linear_impl = self._pack_cpu_linears(settings.device.cpu_linear.value)
         self.weights = ModelWeights(self.model, model_comp.factory, model_options, self.hf_config, self.dtype,
-                                    packed=self.linear_impl == "onednn", saver=self.memory_saver)
+                                    packed=self.linear_impl == "onednn", saver=self.memory_saver,
+                                    small_gemm=self.small_gemm)
 
         # This rank's KV heads: a tensor-parallel rank caches only the heads its attention computes.
         self.tp = get_tensor_parallel()
@@ -134,7 +141,11 @@ class ModelRunner:
 
     def _pack_cpu_linears(self, choice: str) -> str:
         """Swap linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
+        self.small_gemm = False
         if self.device.type != "cpu" or choice == "aten":
+            if self.settings.device.cpu_small_gemm.value == "kernel":
+                raise ConfigError("device.cpu_small_gemm: kernel needs device.cpu_linear onednn (or auto) on CPU; "
+                                  "allowed values: auto, kernel, onednn")
             return "aten"
         usable = onednn_linear_available() and self.dtype in packable_dtypes()
         if choice == "onednn" and not usable:
@@ -145,9 +156,28 @@ class ModelRunner:
                 f"{onednn_linear_available()}); allowed values: auto, onednn, aten"
             )
         if not usable:
+            if self.settings.device.cpu_small_gemm.value == "kernel":
+                raise ConfigError("device.cpu_small_gemm: kernel needs device.cpu_linear onednn (or auto) with a "
+                                  "float32 model; allowed values: auto, kernel, onednn")
             return "aten"
-        pack_linear_layers(self.model)
+        self.small_gemm = self._choose_small_gemm(self.settings.device.cpu_small_gemm.value)
+        pack_linear_layers(self.model, small_gemm=self.small_gemm)
         return "onednn"
+
+    def _choose_small_gemm(self, choice: str) -> bool:
+        """Whether packed fp32 linears also keep a plain copy for the small-GEMM kernel."""
+        if choice == "onednn":
+            return False
+        fits = self.dtype == torch.float32 and small_gemm_available()
+        if choice == "kernel":
+            if not fits:
+                raise ConfigError(
+                    "device.cpu_small_gemm: kernel needs a float32 model and a C compiler for it "
+                    f"(model dtype {str(self.dtype).removeprefix('torch.')}, kernel available: "
+                    f"{small_gemm_available()}); allowed values: auto, kernel, onednn")
+            return True
+        # auto: the copy must not crowd out the KV cache or the host: a quarter of what is free.
+        return fits and small_gemm_extra_bytes(self.model) <= available_memory_bytes() // 4
 
     # -- sizing ----------------------------------------------------------------------------
 
@@ -231,6 +261,7 @@ class ModelRunner:
             "attention_backend": self.settings.attention.backend,
             "memory_pool": self.settings.memory_pool.name,
             "cpu_linear": self.linear_impl,
+            "cpu_small_gemm": self.small_gemm,
             "memory_saver": self.memory_saver.name,
             "tp_size": self.tp.size,
             "kv_heads_per_rank": self.kv_heads,

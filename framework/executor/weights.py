@@ -45,11 +45,12 @@ class ModelWeights:
     """Weight operations on a model runner's model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, factory: Any, options: Any, hf_config: Any, dtype: torch.dtype,
-                 packed: bool, saver: MemorySaver) -> None:
+                 packed: bool, saver: MemorySaver, small_gemm: bool = False) -> None:
         self.model = model
         self._factory, self._options, self._hf_config = factory, options, hf_config
         self.dtype = dtype
         self.packed = packed
+        self.small_gemm = small_gemm  # packing again keeps the plain copies the first packing made
         self.saver = saver
         self._skeleton: nn.Module | None = None
         self.released = False
@@ -154,7 +155,7 @@ class ModelWeights:
         try:
             yield
         finally:
-            pack_linear_layers(self.model)
+            pack_linear_layers(self.model, small_gemm=self.small_gemm)
             trim_heap()  # the dense copies just freed would otherwise stay in the heap
 
     # -- reads -------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ class ModelWeights:
             return
         self.saver.resume("weights")
         if self.packed and not self.saver.preserves_addresses:
-            pack_linear_layers(self.model)
+            pack_linear_layers(self.model, small_gemm=self.small_gemm)
             # The saver must not keep the dense copies alive: the packed layers replaced them.
             self.saver.track("weights", [], keep_contents=True)
             trim_heap()

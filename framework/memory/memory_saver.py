@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -94,3 +95,16 @@ def trim_heap() -> None:
     libc = ctypes.CDLL(name)
     if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def available_memory_bytes() -> int:
+    """Memory the host can still give this process: ``MemAvailable`` from ``/proc/meminfo`` (free
+    plus reclaimable caches), else the physical memory (off Linux, as a best guess)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -28,7 +28,10 @@ import logging
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from framework.kernels.small_gemm import small_linear
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,12 @@ def _without_weight(linear: nn.Linear) -> nn.Linear:
     return copy
 
 
+def _small_gemm_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The plain ``[out, in]`` weight the small-GEMM kernel reads: fp32 only (the kernel's type);
+    contiguous, so a dense weight that already is costs no copy."""
+    return weight.detach().contiguous() if weight.dtype == torch.float32 else None
+
+
 class PackedLinear(nn.Module):
     """Inference-only stand-in for an fp32 or bf16 ``nn.Linear`` on CPU, its weight pre-packed for oneDNN.
 
@@ -120,7 +129,7 @@ class PackedLinear(nn.Module):
     that reads it (the shape, tied embeddings) only when the caller keeps it; otherwise it is freed.
     """
 
-    def __init__(self, linear: nn.Linear, keep_dense_weight: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, keep_dense_weight: bool = False, small_gemm: bool = False) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.in_features = linear.in_features
@@ -129,6 +138,9 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         # A tied lm_head shares its Parameter with the embedding, which still needs it.
         self.weight = linear.weight if keep_dense_weight else None
+        # The plain layout for the small-GEMM kernel at a few rows (see pack_linear_layers); a kept
+        # dense weight serves as it is, at no extra memory.
+        self.small_weight = _small_gemm_weight(weight) if small_gemm else None
         # The collective that completes a tensor-parallel layer (framework.models.parallel).
         self.output_op = getattr(linear, "output_op", None)
         # The replaced module, its dense weight dropped, for unpack_linear_layers to put back (as a
@@ -136,9 +148,11 @@ class PackedLinear(nn.Module):
         object.__setattr__(self, "source", _without_weight(linear) if not keep_dense_weight else linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # oneDNN wants a dense row-major input; the model's inputs already are, so this is free.
-        y = torch.ops.mkldnn._linear_pointwise(_padded_rows(x), self.packed_weight, self.bias, "none", [], "")
-        y = _unpadded(y, x)
+        y = None if self.small_weight is None else small_linear(x, self.small_weight, self.bias)
+        if y is None:
+            # oneDNN wants a dense row-major input; the model's inputs already are, so this is free.
+            y = torch.ops.mkldnn._linear_pointwise(_padded_rows(x), self.packed_weight, self.bias, "none", [], "")
+            y = _unpadded(y, x)
         return y if self.output_op is None else self.output_op(y)
 
     def forward_add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -148,6 +162,9 @@ class PackedLinear(nn.Module):
         A tensor-parallel layer adds after its collective (each rank adding would count it N times)."""
         if self.output_op is not None:
             return other + self.forward(x)
+        y = None if self.small_weight is None else small_linear(x, self.small_weight, self.bias, add=other)
+        if y is not None:
+            return y
         y = torch.ops.mkldnn._linear_pointwise.binary(
             _padded_rows(x), _padded_rows(other), self.packed_weight, self.bias, "add"
         )
@@ -165,7 +182,7 @@ class PackedSwiGLU(nn.Module):
     post-op (almost free) and both halves come out contiguous.
     """
 
-    def __init__(self, gate_up: nn.Linear) -> None:
+    def __init__(self, gate_up: nn.Linear, small_gemm: bool = False) -> None:
         super().__init__()
         weight = gate_up.weight.detach()
         half = weight.shape[0] // 2
@@ -175,9 +192,17 @@ class PackedSwiGLU(nn.Module):
         bias = gate_up.bias
         self.gate_bias = None if bias is None else bias.detach()[:half].contiguous()
         self.up_bias = None if bias is None else bias.detach()[half:].contiguous()
+        # The merged [gate; up] weight as it is, for the small-GEMM kernel (see PackedLinear).
+        self.small_weight = _small_gemm_weight(weight) if small_gemm else None
+        self.small_bias = None if bias is None or not small_gemm else bias.detach().contiguous()
         object.__setattr__(self, "source", _without_weight(gate_up))  # see PackedLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        merged = None if self.small_weight is None else small_linear(x, self.small_weight, self.small_bias)
+        if merged is not None:
+            # A few rows: the strided halves cost microseconds here, unlike at prefill sizes.
+            gate, up = merged.split(self.out_features, dim=-1)
+            return F.silu(gate) * up
         rows = _padded_rows(x)
         gate = torch.ops.mkldnn._linear_pointwise(rows, self.gate, self.gate_bias, "swish", [], "")
         # In place into the gate output. oneDNN's binary "mul" post-op on the up GEMM measured ~5%
@@ -199,7 +224,7 @@ def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
     return residual + linear(x)
 
 
-def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
+def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...], small_gemm: bool) -> int:
     """Give the MLPs that declare :class:`~framework.models.layers.FusableSwiGLU` a
     :class:`PackedSwiGLU`; a module that declares it but breaks its contract is an error."""
     from framework.models.layers import FusableSwiGLU, SiluAndMul
@@ -215,31 +240,43 @@ def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
             raise TypeError(f"{type(module).__name__} declares FusableSwiGLU but has no nn.Linear gate_up_proj "
                             "and SiluAndMul act")
         if _packable(gate_up, dtypes) and getattr(gate_up, "output_op", None) is None:
-            module.gate_up_proj = PackedSwiGLU(gate_up)
+            module.gate_up_proj = PackedSwiGLU(gate_up, small_gemm=small_gemm)
             module.act = nn.Identity()
             fused += 1
     return fused
 
 
-def pack_linear_layers(model: nn.Module) -> int:
+def pack_linear_layers(model: nn.Module, small_gemm: bool = False) -> int:
     """Replace every ``nn.Linear`` in ``model`` whose weight dtype is in :func:`packable_dtypes` by a
     :class:`PackedLinear` (and the merged SwiGLU projections of modules that declare
     :class:`~framework.models.layers.FusableSwiGLU` by a :class:`PackedSwiGLU`); return how many
     layers were replaced.
 
     Linear layers whose weight is shared with another module (a tied ``lm_head``) keep the shared
-    dense weight; the others drop it, so packing does not double the model's memory.
+    dense weight; the others drop it, so packing does not double the model's memory. With
+    ``small_gemm`` the fp32 layers also keep their plain weight for the small-GEMM kernel
+    (:mod:`framework.kernels.small_gemm`), which runs calls of up to 8 rows (decode steps): faster
+    there than oneDNN, at the price of a second copy of the linear weights.
     """
     shared = _shared_parameter_ids(model)
     dtypes = packable_dtypes()
-    replaced = _fuse_swiglu(model, dtypes)
+    replaced = _fuse_swiglu(model, dtypes, small_gemm)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _packable(child, dtypes):
-                setattr(parent, name, PackedLinear(child, keep_dense_weight=id(child.weight) in shared))
+                packed = PackedLinear(child, keep_dense_weight=id(child.weight) in shared, small_gemm=small_gemm)
+                setattr(parent, name, packed)
                 replaced += 1
-    logger.info("packed %d linear layers for oneDNN", replaced)
+    logger.info("packed %d linear layers for oneDNN%s", replaced, " (+ plain copies for small GEMMs)" * small_gemm)
     return replaced
+
+
+def small_gemm_extra_bytes(model: nn.Module) -> int:
+    """Bytes the small-GEMM kernel's plain weight copies would add to ``model`` (its fp32 linear
+    layers, bar those whose weight is tied to another module and so stays anyway)."""
+    shared = _shared_parameter_ids(model)
+    return sum(m.weight.numel() * 4 for m in model.modules()
+               if _packable(m, (torch.float32,)) and id(m.weight) not in shared)
 
 
 def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -287,15 +324,19 @@ def unpack_linear_layers(model: nn.Module, names: set[str] | None = None) -> int
             if names is not None and full not in names:
                 continue
             if isinstance(child, PackedLinear):
-                weight = child.weight if child.weight is not None else _dense_from_packed(
-                    child.packed_weight, child.in_features, child.packed_weight.dtype)
+                weight = child.weight if child.weight is not None else child.small_weight
+                if weight is None:
+                    weight = _dense_from_packed(child.packed_weight, child.in_features, child.packed_weight.dtype)
                 setattr(parent, name, _unpacked_linear(child.source, weight))
                 count += 1
             elif isinstance(child, PackedSwiGLU):
-                dtype = child.gate.dtype
-                gate = _dense_from_packed(child.gate, child.in_features, dtype)
-                up = _dense_from_packed(child.up, child.in_features, dtype)
-                setattr(parent, name, _unpacked_linear(child.source, torch.cat([gate, up])))
+                merged = child.small_weight
+                if merged is None:
+                    dtype = child.gate.dtype
+                    gate = _dense_from_packed(child.gate, child.in_features, dtype)
+                    up = _dense_from_packed(child.up, child.in_features, dtype)
+                    merged = torch.cat([gate, up])
+                setattr(parent, name, _unpacked_linear(child.source, merged))
                 parent.act = SiluAndMul()
                 count += 1
     return count

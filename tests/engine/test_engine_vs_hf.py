@@ -131,6 +131,8 @@ SCHEDULER_VARIANTS = {
     # The CPU defaults are the cpu_paged backend and oneDNN-packed linears; the reference paths too:
     "torch_native_aten": ["attention.backend=torch_native", "device.cpu_linear=aten"],
     "torch_native_page16": ["attention.backend=torch_native", "kv_cache.page_size=16"],
+    # Decode steps' few rows run the small-GEMM kernel by default (auto); oneDNN alone as well:
+    "onednn_small_rows": ["device.cpu_small_gemm=onednn"],
 }
 
 
@@ -144,6 +146,7 @@ def test_greedy_equal_under_scheduler_variants(cases, make_engine, variant, arch
     want_backend = "torch_native" if variant.startswith("torch_native") else "cpu_paged"
     assert eng.runner.attn_backend.__class__.__name__.lower().startswith(want_backend.replace("_", ""))
     assert eng.runner.linear_impl == ("aten" if "device.cpu_linear=aten" in SCHEDULER_VARIANTS[variant] else "onednn")
+    assert eng.runner.small_gemm == (eng.runner.linear_impl == "onednn" and variant != "onednn_small_rows")
     if variant != "radix_off":
         assert eng.scheduler.cache_hit_tokens > 0  # shared prefixes were reused
     else:

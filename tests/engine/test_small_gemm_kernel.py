@@ -1,0 +1,161 @@
+"""The small-GEMM C kernel (``device.cpu_small_gemm=kernel``) against torch's ``F.linear`` computed
+in float64, and the packed layers that use it at a few rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.kernels import small_gemm
+from framework.models.cpu_linear import (
+    PackedLinear,
+    PackedSwiGLU,
+    onednn_linear_available,
+    pack_linear_layers,
+    small_gemm_extra_bytes,
+    unpack_linear_layers,
+)
+from framework.models.layers import SiluAndMul
+
+pytestmark = pytest.mark.skipif(not small_gemm.kernel_available(), reason="no C compiler to build the kernel")
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               add: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact result, to within float64 rounding: a yardstick neither fp32 GEMM is nearer to."""
+    y = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    return (y if add is None else y + add.double()).float()
+
+
+def _assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expected: torch.Tensor) -> None:
+    """Within the error bound of an fp32 dot product of length K (~K eps |x| |w|, here 4x tighter
+    in practice), checked element by element; a wrong row, column or missed tail is far outside."""
+    k = x.shape[-1]
+    scale = (x.abs().double() @ w.abs().double().t()).float()
+    bound = 2 * k * torch.finfo(torch.float32).eps * scale + 1e-30
+    assert got.shape == expected.shape
+    err = (got - expected).abs()
+    assert torch.all(err <= bound.view_as(err)), float((err / bound.view_as(err)).max())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("n_out,k_in", [(40, 24), (130, 768), (257, 1001), (3, 8), (64, 5)])
+def test_matches_float64_reference(rows: int, n_out: int, k_in: int) -> None:
+    """Row counts around the 3-row blocks, outputs around the 4-row blocks and the per-thread split,
+    input lengths with and without a tail past the last multiple of 8."""
+    g = torch.Generator().manual_seed(rows * 1000 + n_out + k_in)
+    x, w = torch.randn(rows, k_in, generator=g), torch.randn(n_out, k_in, generator=g)
+    got = small_gemm.small_linear(x, w)
+    assert got is not None and got.is_contiguous()
+    _assert_fp32_close(got, x, w, _reference(x, w))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bias_add_and_thread_counts(threads: int) -> None:
+    g = torch.Generator().manual_seed(threads)
+    x, w = torch.randn(5, 300, generator=g), torch.randn(515, 300, generator=g)
+    bias, add = torch.randn(515, generator=g), torch.randn(5, 515, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = small_gemm.small_linear(x, w, bias, add=add)
+    finally:
+        torch.set_num_threads(before)
+    assert got is not None
+    _assert_fp32_close(got, x, w, _reference(x, w, bias, add))
+
+
+def test_strided_and_shaped_inputs() -> None:
+    """A leading shape comes back as it went in; a strided row (a view of every other column, a
+    slice of a bigger batch) is read as its values, not its memory."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(33, 20, generator=g)
+    x3 = torch.randn(2, 3, 20, generator=g)
+    got = small_gemm.small_linear(x3, w)
+    assert got is not None and got.shape == (2, 3, 33)
+    _assert_fp32_close(got.view(6, 33), x3.view(6, 20), w, _reference(x3.view(6, 20), w))
+    wide = torch.randn(4, 40, generator=g)
+    strided = wide[:, ::2]
+    got = small_gemm.small_linear(strided, w)
+    _assert_fp32_close(got, strided, w, _reference(strided, w))
+    last = torch.randn(3, 5, 20, generator=g)[:, -1, :]  # rows 100 floats apart
+    got = small_gemm.small_linear(last, w)
+    _assert_fp32_close(got, last, w, _reference(last, w))
+
+
+def test_steps_aside_where_it_does_not_apply() -> None:
+    w = torch.randn(16, 8)
+    assert small_gemm.small_linear(torch.randn(small_gemm.MAX_ROWS + 1, 8), w) is None
+    assert small_gemm.small_linear(torch.randn(2, 8, dtype=torch.float64), w) is None
+    assert small_gemm.small_linear(torch.randn(2, 8), w.to(torch.bfloat16)) is None
+    assert small_gemm.small_linear(torch.randn(2, 8), w.t().contiguous().t()) is None  # not row-major
+    assert small_gemm.small_linear(torch.randn(2, 9), w) is None
+    assert small_gemm.small_linear(torch.randn(0, 8), w) is None
+    x = torch.randn(2, 8, requires_grad=True)
+    assert small_gemm.small_linear(x, w) is None  # autograd must see the op
+    with torch.no_grad():
+        assert small_gemm.small_linear(x, w) is not None
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 4, 8, 9, 40])
+def test_packed_layers_use_it_up_to_eight_rows(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``small_gemm`` the packed layers send calls of <= 8 rows to the kernel (counted) and the
+    rest to oneDNN, and both agree with F.linear; the SwiGLU path with SiLU * up."""
+    calls = []
+    real = small_gemm.small_linear
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr("framework.models.cpu_linear.small_linear", counting)
+    torch.manual_seed(rows)
+    lin, gate_up = nn.Linear(96, 80), nn.Linear(96, 2 * 48)
+    x, residual = torch.randn(rows, 96), torch.randn(rows, 80)
+    packed, swiglu = PackedLinear(lin, small_gemm=True), PackedSwiGLU(gate_up, small_gemm=True)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed.forward_add(x, residual), residual + F.linear(x, lin.weight, lin.bias),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(swiglu(x), SiluAndMul()(gate_up(x)), atol=1e-5, rtol=1e-5)
+    assert calls == [rows <= small_gemm.MAX_ROWS] * 3
+
+
+@needs_onednn
+def test_packing_keeps_plain_copies_and_unpacks_from_them() -> None:
+    """The plain copy costs what small_gemm_extra_bytes says (a tied head's weight is shared, not
+    copied), and unpacking hands the same weights back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 24))
+    dense = [m.weight.detach().clone() for m in (model[0], model[2])]
+    assert small_gemm_extra_bytes(model) == (24 * 40 + 40 * 24) * 4
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        expected = model(x)
+        assert pack_linear_layers(model, small_gemm=True) == 2
+        assert all(isinstance(model[i], PackedLinear) and model[i].small_weight is not None for i in (0, 2))
+        torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+        assert unpack_linear_layers(model) == 2
+    assert torch.equal(model[0].weight, dense[0]) and torch.equal(model[2].weight, dense[1])
+
+
+@needs_onednn
+def test_engine_setting_and_its_errors(tiny_model, engine_factory) -> None:
+    """auto picks the kernel for a small fp32 model; onednn keeps oneDNN alone; asking for the
+    kernel where it cannot run names the key and the allowed values."""
+    from framework.errors import ConfigError
+
+    assert engine_factory(tiny_model, "model.dtype=float32").runner.small_gemm is True
+    off = engine_factory(tiny_model, "model.dtype=float32", "device.cpu_small_gemm=onednn")
+    assert off.runner.small_gemm is False and off.runner.describe()["cpu_small_gemm"] is False
+    with pytest.raises(ConfigError, match=r"device.cpu_small_gemm: kernel needs device.cpu_linear.*auto, kernel"):
+        engine_factory(tiny_model, "device.cpu_linear=aten", "device.cpu_small_gemm=kernel")
+    with pytest.raises(ConfigError, match=r"device.cpu_small_gemm: kernel needs .*float32 model"):
+        engine_factory(tiny_model, "model.dtype=bfloat16", "device.cpu_small_gemm=kernel")
+    with pytest.raises(ConfigError, match=r"device.cpu_small_gemm.*expected one of \[auto, kernel, onednn\]"):
+        engine_factory(tiny_model, "device.cpu_small_gemm=fast")
