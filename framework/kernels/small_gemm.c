@@ -12,8 +12,8 @@
  * of two contiguous K-vectors. Accumulation is in fp32, 8 lanes wide then summed across, so results
  * differ from torch's GEMMs by fp32 rounding (~1e-6 relative).
  *
- * Threads: OpenMP (torch's own runtime inside torch's process), output rows split into one
- * contiguous range per thread.
+ * Threads: OpenMP (torch's own runtime inside torch's process), output rows in chunks that the
+ * threads take in turn.
  */
 #include <stdint.h>
 #ifdef _OPENMP
@@ -25,6 +25,7 @@
 
 #define ROWS_W 4   /* weight rows per block: 4 x K floats stay in L1 for K up to ~2000 */
 #define ROWS_X 3   /* input rows per block: 4 x 3 accumulators + loads fit AVX2's 16 registers */
+#define CHUNK_ROWS 64  /* output rows per unit of work a thread takes (a multiple of ROWS_W) */
 
 typedef struct {
     const float *x; int64_t ldx;
@@ -131,14 +132,15 @@ int small_gemm(const float *x, int64_t ldx, const float *w, const float *bias, c
     int64_t most = (N + 63) / 64;
     if (threads > most) threads = (int)most;
 #ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        /* Contiguous ranges in whole ROWS_W blocks. */
-        int64_t blocks = (N + ROWS_W - 1) / ROWS_W;
-        int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-        int64_t n_begin = b0 * ROWS_W, n_end = b1 * ROWS_W < N ? b1 * ROWS_W : N;
-        if (n_begin < n_end) rows_range(&a, n_begin, n_end);
+    /* Chunks handed out as threads come for them, not a fixed half each: on a server the HTTP
+     * process and the client share these cores, and a thread the kernel deschedules mid-call would
+     * otherwise leave its whole half for the others to wait on (a barrier at the end). Chunks of
+     * CHUNK_ROWS rows stay long enough (>= 64 rows of K floats) for the prefetchers. */
+    int64_t chunks = (N + CHUNK_ROWS - 1) / CHUNK_ROWS;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t n_begin = c * CHUNK_ROWS, n_end = n_begin + CHUNK_ROWS < N ? n_begin + CHUNK_ROWS : N;
+        rows_range(&a, n_begin, n_end);
     }
 #else
     (void)threads;

@@ -6,7 +6,7 @@
  * at ~65 GFLOP/s for 128-token prompts, ~4% of the reference workload; a request with a cached
  * prefix also paid for an index_select, a cat and a boolean mask per layer. Here every (request,
  * kv head) is one work item on torch's OpenMP workers, and the arithmetic is register-blocked:
- * R query rows at a time against 16 keys (scores) or one value row (output), so each load feeds
+ * R query rows at a time against a vector of keys (scores) or one value row (output), so each load feeds
  * R fused multiply-adds.
  *
  * Layout:
@@ -24,11 +24,18 @@
 
 #include "cpu_float.h"
 
-typedef float vf __attribute__((vector_size(64), aligned(64)));
-typedef int32_t vi __attribute__((vector_size(64), aligned(64)));
+/* A vector is one register: 16 floats with AVX-512, else 8 (AVX2). gcc splits a 16-float vector
+ * into two AVX2 registers, which doubled the blocks' register need and spilled the output
+ * accumulators: prefill attention ran at ~5 GFLOP/s on an AVX2-only host, slower than SDPA. */
+#ifdef __AVX512F__
 #define VF_LANES 16
+#else
+#define VF_LANES 8
+#endif
+typedef float vf __attribute__((vector_size(VF_LANES * 4), aligned(VF_LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(VF_LANES * 4), aligned(VF_LANES * 4)));
 
-/* max of s[0 .. n-1], n >= 1, s 64-byte aligned: 16 lanes at a time (gcc leaves the scalar
+/* max of s[0 .. n-1], n >= 1, s 64-byte aligned: VF_LANES lanes at a time (gcc leaves the scalar
  * ternary loop unvectorised without -ffinite-math-only, and it was ~7% of the kernel). */
 static inline float row_max(const float *s, int64_t n) {
     float m = s[0];
@@ -47,7 +54,7 @@ static inline float row_max(const float *s, int64_t n) {
 }
 
 typedef struct {
-    float *kt;    /* [padded keys / 16][head_dim][16]: K transposed in blocks of 16 keys, each block
+    float *kt;    /* [padded keys / VF_LANES][head_dim][VF_LANES]: K transposed in blocks of VF_LANES keys, each block
                    * contiguous (a plain transpose put a block's rows 4 KB apart: L1 set conflicts) */
     float *v;     /* [keys][head_dim] */
     float *s;     /* [R][padded keys] scores, then probabilities */
@@ -76,8 +83,8 @@ static inline __attribute__((always_inline)) int run_item(
     const int64_t D, const int64_t R) {
     const int64_t keys = prefix + q_len, padded = (keys + VF_LANES - 1) / VF_LANES * VF_LANES, V = D / VF_LANES;
     if (reserve(w, padded, D)) return 1;
-    /* Gather: V of a bf16 cache widened row by row (fp32 V is read in place); K a block of 16 rows
-     * at a time, then transposed, so that 16 consecutive keys are one vector. */
+    /* Gather: V of a bf16 cache widened row by row (fp32 V is read in place); K a block of VF_LANES
+     * rows at a time, then transposed, so that VF_LANES consecutive keys are one vector. */
     float rows16[VF_LANES * 128] __attribute__((aligned(64))); /* one block's K rows, D <= 128 */
     for (int64_t b = 0; b < padded / VF_LANES; ++b) {
         for (int64_t l = 0; l < VF_LANES; ++l) {
@@ -111,7 +118,7 @@ static inline __attribute__((always_inline)) int run_item(
             const int64_t nblk = last / VF_LANES + 1;
             const float *qr[4];
             for (int64_t r = 0; r < R; ++r) qr[r] = q + ((q_start + i0 + (r < nr ? r : 0)) * num_heads + h) * D;
-            /* scores: R rows x 2 blocks of 16 keys at a time (2R independent accumulators hide the
+            /* scores: R rows x 2 blocks of VF_LANES keys at a time (2R independent accumulators hide the
              * multiply-add latency, and each broadcast query element feeds two of them) */
             for (int64_t b = 0; b < nblk; b += 2) {
                 const int64_t b1 = b + 1 < nblk ? b + 1 : b; /* an odd last block is done twice */
@@ -145,7 +152,7 @@ static inline __attribute__((always_inline)) int run_item(
                 inv[r] = 1.0f / sum;
             }
             /* output: each value row is loaded once for the R rows */
-            vf o[4][8]; /* only [R][D / 16] is used: zero just that (zeroing all 32 was ~10% of the time) */
+            vf o[4][128 / VF_LANES]; /* only [R][D / VF_LANES] is used: zero just that (zeroing all 32 was ~10% of the time) */
             for (int64_t r = 0; r < R; ++r)
                 for (int64_t c = 0; c < V; ++c) o[r][c] = (vf){0};
             for (int64_t t = 0; t <= last; ++t) {
@@ -181,11 +188,20 @@ static inline __attribute__((always_inline)) int run_item(
 #define ITEM_CALL q, k, v, out, slots, prefix, q_len, q_start, kvh, num_heads, kv_heads, scale, bf16, w
 #define ITEM_CALL_BF16(flag) q, k, v, out, slots, prefix, q_len, q_start, kvh, num_heads, kv_heads, scale, flag, w
 
-/* One wrapper per head size and K/V type: 4 query rows of 64 (16 accumulators), 2 of 128; other
- * multiples of 16 run one row at a time with the head size a run-time value. */
+/* One wrapper per head size and K/V type, with as many query rows at a time as keep the output
+ * accumulators (R x D / VF_LANES vectors) within the registers: with AVX-512's 32, 4 rows of 64 and
+ * 2 of 128; with AVX2's 16, 2 rows of 64 (4 measured 1.2x slower on an AVX2 host) and 1 of 128.
+ * Other multiples of 16 run one row at a time with the head size a run-time value. */
+#if VF_LANES == 16
+#define ROWS_D64 4
+#define ROWS_D128 2
+#else
+#define ROWS_D64 2
+#define ROWS_D128 1
+#endif
 #define BOTH_TYPES(d, r) (bf16 ? run_item(ITEM_CALL_BF16(1), d, r) : run_item(ITEM_CALL_BF16(0), d, r))
-static int item_d64(ITEM_ARGS) { return BOTH_TYPES(64, 4); }
-static int item_d128(ITEM_ARGS) { return BOTH_TYPES(128, 2); }
+static int item_d64(ITEM_ARGS) { return BOTH_TYPES(64, ROWS_D64); }
+static int item_d128(ITEM_ARGS) { return BOTH_TYPES(128, ROWS_D128); }
 static int item_d32(ITEM_ARGS) { return BOTH_TYPES(32, 4); }
 static int item_d16x(ITEM_ARGS, int64_t d) { return run_item(ITEM_CALL, d, 1); }
 
@@ -196,7 +212,7 @@ int paged_extend_attention(const float *q, const void *k, const void *v, float *
                            const int64_t *q_lens, int64_t bs, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
                            float scale, int64_t num_threads, int64_t kv_bf16) {
     if (bs <= 0) return 0;
-    if (kv_heads <= 0 || num_heads % kv_heads != 0 || head_dim % VF_LANES != 0 || head_dim > 128) return 2;
+    if (kv_heads <= 0 || num_heads % kv_heads != 0 || head_dim % 16 != 0 || head_dim > 128) return 2;
     int64_t *q_start = malloc(sizeof(int64_t) * (size_t)bs);
     if (!q_start) return 1;
     for (int64_t b = 0, acc = 0; b < bs; ++b) {
