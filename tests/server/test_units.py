@@ -174,3 +174,31 @@ def test_loop_answers_control_calls_and_survives_garbage() -> None:
     assert reply.call_id == 7 and reply.ok is False and "nonsense" in reply.data["error"]
     loop._handle(ipc.encode(ipc.Shutdown()))
     assert loop.stopping
+
+
+def test_listening_socket_gives_connections_tcp_nodelay() -> None:
+    """The socket ``plugserve serve`` binds before loading the model makes asyncio (and so uvicorn,
+    which serves on it) switch Nagle off on every accepted connection; without that a keep-alive
+    client waited ~40 ms (its delayed ACK) for each streamed response's second write."""
+    import asyncio
+    import socket
+
+    from framework.server.launcher import _bind
+
+    sock = _bind("127.0.0.1", 0)
+
+    async def main() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(handle, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+            return value
+
+    assert asyncio.run(main()) != 0
