@@ -1,7 +1,11 @@
 """SIGTERM with requests still running past ``server.shutdown_timeout_s``: every open request ends
 with a well-formed answer (a JSON 503 in OpenAI's shape; in a stream, the finish chunk with
 reason abort, an error event and ``[DONE]``), an upload still arriving gets its 503 at once, and
-the server exits 0 soon after the grace period."""
+the server exits 0 soon after the grace period.
+
+Every request names the fault plugin's ``slow_steps`` logit processor, so each step takes at
+least ``STEP_S``: 900 tokens then outlast the grace period on any host (on a fast one the tiny
+model finished a plain request inside the window and got its 200)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ import pytest
 from tests.server.conftest import start_server
 
 GRACE_S = 1.0
-LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+STEP_S = 0.01  # 900 steps >= 9 s, far past the grace period
+SLOW = {"custom_logit_processor": "slow_steps", "custom_params": {"sleep_s": STEP_S}}
+LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0, **SLOW}
 
 
 def _events(lines: list[str]) -> list[Any]:
@@ -30,7 +36,7 @@ def test_requests_past_the_grace_period_end_well_formed(tiny_model: Path,
                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
     server = start_server(tmp_path_factory.mktemp("drain"), [
         f"model.path={tiny_model}", "kv_cache.max_total_tokens=8192", f"server.shutdown_timeout_s={GRACE_S}",
-        "server.log_level=info"])
+        "server.log_level=info", "server.enable_custom_logit_processor=true"])
     results: dict[str, Any] = {}
     first_token = threading.Barrier(4, timeout=60)
     url = server.url

@@ -1,10 +1,13 @@
-"""Fault injection for plugserve's PD tests, as a third-party plugin: ``nccl_stalling``, the
-``nccl`` transfer backend with a link that stalls for chosen rooms.
+"""Fault injection for plugserve's tests, as a third-party plugin: ``nccl_stalling``, the
+``nccl`` transfer backend with a link that stalls for chosen rooms, and ``slow_steps``, a logit
+processor that makes the steps of the requests naming it slow.
 
 A room in ``stall_rooms`` pauses ``stall_s`` after its first layer buffer's pages went out, while
 the receiver is mid-write: what a stalled or congested link does. The fault tests select it with
 ``disaggregation.transfer_backend=nccl_stalling`` and
 ``disaggregation.transfer_options.stall_rooms=[...]``; the production backend carries no test hook.
+``slow_steps`` (``custom_logit_processor``, with ``server.enable_custom_logit_processor=true``)
+keeps a request generating for as long as a test needs, on a fast host as on a slow one.
 """
 
 from __future__ import annotations
@@ -61,3 +64,31 @@ class StallingNcclTransferBackend(NcclTransferBackend):
 def register_transfer_backends(register: Register) -> None:
     """Register ``nccl_stalling`` (tests only)."""
     register("nccl_stalling", StallingNcclTransferBackend.create, config=StallingNcclOptions)
+
+
+@dataclass
+class SlowStepsParams:
+    """``custom_params`` of ``slow_steps``."""
+
+    sleep_s: float = 0.0
+    """How long each decode step that samples for this request waits (0 to 1 s)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sleep_s, (int, float)) or not 0 <= self.sleep_s <= 1:
+            raise ValueError(f"sleep_s must be a number of seconds in [0, 1], got {self.sleep_s!r}")
+
+
+class SlowSteps:
+    """A logit processor that leaves the logits alone and waits: a request that names it keeps
+    every step it is part of at least ``sleep_s`` long, whatever the host's speed, so a test can
+    know it is still generating (the drain tests need requests that outlast the grace period)."""
+
+    def __call__(self, logits: torch.Tensor, params: list[dict | None], output_ids: list[list[int]]) -> torch.Tensor:
+        time.sleep(max(float((p or {}).get("sleep_s", 0.0)) for p in params))
+        return logits
+
+
+@hookimpl
+def register_logit_processors(register: Register) -> None:
+    """Register ``slow_steps`` (tests only)."""
+    register("slow_steps", SlowSteps, config=SlowStepsParams)
