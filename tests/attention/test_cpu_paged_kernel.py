@@ -55,6 +55,27 @@ def test_kernel_matches_sdpa(bs: int, heads: int, kv_heads: int, head_dim: int, 
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), (out - ref).abs().max()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_spans_of_a_long_request_merge_like_one_softmax(kv_dtype: torch.dtype) -> None:
+    """Small batches on several threads cut each request into token spans and merge them. Peaked
+    scores (large queries) give the spans maxima far apart, so a merge that did not rescale each
+    span by exp(its max - the overall max) would be off by orders of magnitude; an empty request
+    among them must still come out as zeros."""
+    q, k, v, table, rows, lens = _case(3, 8, 2, 64, seed=7)
+    g = torch.Generator().manual_seed(8)
+    table = torch.zeros(8, 1200, dtype=torch.int32)
+    lens = torch.tensor([1100, 0, 70])
+    for b in range(3):
+        table[rows[b], : lens[b]] = (torch.randperm(16383, generator=g)[: lens[b]] + 1).to(torch.int32)
+    q = q * 30
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k, v, out, table, rows, lens, 64**-0.5, 2)
+    ref = _reference(q[[0, 2]], k.float(), v.float(), table, rows[[0, 2]], lens[[0, 2]], 64**-0.5)
+    assert torch.allclose(out[[0, 2]], ref, atol=2e-5, rtol=1e-5), (out[[0, 2]] - ref).abs().max()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
 def test_kernel_refuses_wrong_layouts() -> None:
     q, k, v, table, rows, lens = _case(2, 4, 2, 64, seed=0)
     out = torch.empty_like(q)
