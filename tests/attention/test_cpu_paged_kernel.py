@@ -76,6 +76,46 @@ def test_spans_of_a_long_request_merge_like_one_softmax(kv_dtype: torch.dtype) -
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_store_in_the_kernel_call_equals_kvcache_store(kv_dtype: torch.dtype) -> None:
+    """``new_kv`` stores this step's K/V before reading: the cache must come out bitwise what
+    :meth:`KVCache.store` writes (bf16 rounding included), and the output what SDPA gives over it.
+    A slot outside the cache is an IndexError with nothing written."""
+    from framework.memory.kv_cache import KVCache
+
+    bs, heads, kv_heads, head_dim = 3, 8, 2, 64
+    g = torch.Generator().manual_seed(3)
+    ours, theirs = (KVCache(1, 60, 16, kv_heads, head_dim, kv_dtype, "cpu") for _ in range(2))
+    for cache in (ours, theirs):
+        cache.k_buffers[0].copy_(torch.randn(cache.k_buffers[0].shape, generator=g).to(kv_dtype))
+        cache.v_buffers[0].copy_(cache.k_buffers[0].flip(0))
+    theirs.k_buffers[0].copy_(ours.k_buffers[0])
+    theirs.v_buffers[0].copy_(ours.v_buffers[0])
+    lens = torch.tensor([5, 40, 17])
+    table = torch.zeros(bs, 64, dtype=torch.int32)
+    slots = torch.randperm(ours.num_slots - 1, generator=g)[: int(lens.sum())] + 1
+    table[torch.arange(bs).repeat_interleave(lens), torch.cat([torch.arange(n) for n in lens.tolist()])] = \
+        slots.to(torch.int32)
+    loc = table[torch.arange(bs), lens - 1].to(torch.int64)  # this step's token is each request's last
+    k_new = torch.randn(bs, kv_heads * head_dim, generator=g) * 3
+    v_new = torch.randn(bs, kv_heads * head_dim, generator=g) * 3
+    q = torch.randn(bs, heads, head_dim, generator=g)
+    rows = torch.arange(bs)
+    out = torch.empty_like(q)
+    paged_decode_attention(q, *ours.get_kv(0), out, table, rows, lens, 0.125, 2, (k_new, v_new, loc))
+    theirs.store(0, loc, k_new, v_new)
+    assert torch.equal(ours.k_buffers[0], theirs.k_buffers[0]) and torch.equal(ours.v_buffers[0], theirs.v_buffers[0])
+    ref = _reference(q, theirs.k_buffers[0].float(), theirs.v_buffers[0].float(), table, rows, lens, 0.125)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5)
+
+    before = ours.k_buffers[0].clone()
+    bad = loc.clone()
+    bad[2] = ours.num_slots
+    with pytest.raises(IndexError, match="outside the cache"):
+        paged_decode_attention(q, *ours.get_kv(0), out, table, rows, lens, 0.125, 2, (k_new + 1, v_new, bad))
+    assert torch.equal(ours.k_buffers[0], before)
+
+
 def test_kernel_refuses_wrong_layouts() -> None:
     q, k, v, table, rows, lens = _case(2, 4, 2, 64, seed=0)
     out = torch.empty_like(q)
@@ -115,3 +155,23 @@ def _cc_version() -> str:
 
     cc = compiler()
     return "" if cc is None else subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+
+
+def test_the_backend_leaves_the_store_to_a_pool_that_overrides_it() -> None:
+    """The kernel stores K/V itself only for :class:`KVCache`'s own ``store``: a pool subclass that
+    overrides it (a plugin may track or transform writes) gets its ``store`` called, and K/V the
+    kernel cannot read as they are (strided, not fp32) go through ``store`` too."""
+    from framework.memory.kv_cache import KVCache
+    from plugins.attention.cpu_paged.backend import _kernel_store
+
+    class TrackingCache(KVCache):
+        def store(self, layer_id, loc, k, v):  # noqa: ANN001, ANN202
+            super().store(layer_id, loc, k, v)
+
+    plain, tracking = (cls(1, 4, 16, 2, 8, torch.float32, "cpu") for cls in (KVCache, TrackingCache))
+    k, v, loc = torch.randn(3, 16), torch.randn(3, 16), torch.tensor([1, 2, 3])
+    assert _kernel_store(plain, k, v, loc) == (k, v, loc)
+    assert _kernel_store(tracking, k, v, loc) is None
+    assert _kernel_store(plain, torch.randn(3, 32)[:, :16], v, loc) is None
+    assert _kernel_store(plain, k.bfloat16(), v, loc) is None
+    assert _kernel_store(plain, k, v, loc.int()) is None

@@ -29,6 +29,7 @@ import torch
 from framework.attention.base import Attention, AttentionBackend
 from framework.attention.paged_sdpa import PagedSDPA, PagedSDPAOptions
 from framework.errors import ConfigError
+from framework.memory.kv_cache import KVCache
 from plugins.attention.cpu_paged.kernel import (
     KV_DTYPES,
     KernelUnavailable,
@@ -66,6 +67,21 @@ QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _fp32(q: torch.Tensor, rows: int, layer: Attention) -> torch.Tensor:
     """``q`` as the contiguous fp32 ``[rows, heads, head_dim]`` the kernels read (no copy for fp32)."""
     return q.reshape(rows, layer.num_heads, layer.head_dim).to(torch.float32).contiguous()
+
+
+def _kernel_store(cache: Any, k: torch.Tensor, v: torch.Tensor,
+                  loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(k, v, loc)`` for the decode kernel to store itself, or None when :meth:`KVCache.store`
+    must: a pool that overrides ``store`` (a plugin's may track or transform writes), or K/V that
+    are not contiguous fp32, or slots that are not int64. Storing in the kernel call saves the two
+    index_puts per layer that cost ~35 us at a batch-1 decode step (of ~90 us of attention)."""
+    if type(cache).store is not KVCache.store:
+        return None
+    if k.dtype != torch.float32 or v.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
+        return None
+    if loc.dtype != torch.int64 or not loc.is_contiguous():
+        return None
+    return k, v, loc
 
 
 @dataclass
@@ -162,18 +178,25 @@ class CpuPagedAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
         meta: _DecodeMeta = forward_batch.attn_metadata
         table = forward_batch.req_to_token
+        cache = forward_batch.kv_cache
+        k_cache, v_cache = cache.get_kv(layer.layer_id)
         if q.dtype not in QUERY_DTYPES or k_cache.dtype not in KV_DTYPES or table.dtype != torch.int32:
             # The gather + SDPA path; its metadata is built once per batch, on first need.
+            k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
             if meta.fallback is None:
                 meta.fallback = self.sdpa.decode_metadata(forward_batch)
             return self.sdpa.decode(q, k_cache, v_cache, layer, meta.fallback)
+        new_kv = None
+        if save_kv_cache:
+            new_kv = _kernel_store(cache, k, v, forward_batch.out_cache_loc)
+            if new_kv is None:  # a pool with its own store, or K/V the kernel cannot take as they are
+                k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
         bs = q.shape[0]
         out = torch.empty(bs, layer.num_heads, layer.head_dim, dtype=torch.float32)
         work = meta.total_tokens * layer.num_kv_heads * layer.head_dim
         threads = 1 if work < self.single_thread_below else self.num_threads
         paged_decode_attention(_fp32(q, bs, layer), k_cache, v_cache, out, table, meta.rows, meta.lens, layer.scaling,
-                               threads)
+                               threads, new_kv)
         return out.view(bs, layer.num_heads * layer.head_dim).to(q.dtype)

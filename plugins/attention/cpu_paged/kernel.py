@@ -36,7 +36,7 @@ def load_kernel() -> ctypes.CDLL:
     lib = build_and_load(SOURCE, "cpu_paged_decode", CFLAGS)
     fn = lib.paged_decode_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64]
+    fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64, p, p, p, i64]
     fn.restype = ctypes.c_int
     lib.paged_decode_uses_openmp.argtypes = []
     lib.paged_decode_uses_openmp.restype = ctypes.c_int
@@ -73,13 +73,16 @@ def kernel_threading() -> str:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                            req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, scale: float,
-                           num_threads: int) -> None:
+                           num_threads: int,
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write softmax(q k^T * scale) v of each request's first ``lens[b]`` tokens into ``out``.
 
     ``q``/``out`` ``[bs, heads, head_dim]`` fp32; ``k_cache``/``v_cache`` ``[slots, kv_heads,
     head_dim]``, both fp32 or both bf16 (read widened to fp32); ``req_to_token`` ``[rows, stride]``
-    int32; ``rows``/``lens`` ``[bs]`` int64. Every tensor must be contiguous on the CPU (checked: a
-    wrong layout would read garbage).
+    int32; ``rows``/``lens`` ``[bs]`` int64. ``new_kv``, when given, is ``(k, v, loc)``: this step's
+    K and V (fp32, ``bs x kv_heads x head_dim`` elements each) stored at slots ``loc`` (int64
+    ``[bs]``) before anything is read, what :meth:`KVCache.store` would do. Every tensor must be
+    contiguous on the CPU (checked: a wrong layout would read garbage).
     """
     kv_dtype = k_cache.dtype if k_cache.dtype in KV_DTYPES else torch.float32
     _check((("q", q, torch.float32), ("k_cache", k_cache, kv_dtype), ("v_cache", v_cache, kv_dtype),
@@ -87,11 +90,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             ("lens", lens, torch.int64)))
     bs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
+    k_new = v_new = loc = None
+    if new_kv is not None:
+        k_new, v_new, loc = new_kv
+        _check((("new k", k_new, torch.float32), ("new v", v_new, torch.float32), ("loc", loc, torch.int64)))
+        if k_new.numel() != bs * kv_heads * head_dim or v_new.numel() != k_new.numel() or loc.numel() != bs:
+            raise ValueError(f"new_kv: need {bs} rows of {kv_heads} x {head_dim} K/V values and {bs} slots")
     status = load_kernel().paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), req_to_token.data_ptr(),
         req_to_token.shape[1], rows.data_ptr(), lens.data_ptr(), bs, num_heads, kv_heads, head_dim,
         float(scale), num_threads, int(kv_dtype == torch.bfloat16),
+        None if k_new is None else k_new.data_ptr(), None if v_new is None else v_new.data_ptr(),
+        None if loc is None else loc.data_ptr(), k_cache.shape[0],
     )
+    if status == 3:
+        raise IndexError(f"new_kv: a slot in loc is outside the cache's {k_cache.shape[0]} slots")
     if status != 0:
         raise RuntimeError(f"paged_decode_attention failed with status {status} (out of memory or bad head counts)")
 
