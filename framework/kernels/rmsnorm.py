@@ -40,25 +40,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` over the last dim as a new contiguous tensor,
     or ``None`` when the kernel does not apply. fp32, or bf16 ``x`` and ``weight`` (math in fp32,
     rounded to bf16 where transformers rounds)."""
-    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or x.device.type != "cpu":
+    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or not x.is_cpu:
         return None
-    if x.dim() < 1:
+    dims = x.dim()
+    if dims < 1:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None  # autograd cannot see through the kernel
     d = x.shape[-1]
-    if weight.shape != (d,) or not weight.is_contiguous() or weight.device.type != "cpu" or d == 0:
+    if d == 0 or weight.dim() != 1 or weight.shape[0] != d or not weight.is_contiguous() or not weight.is_cpu:
         return None
-    rows = x.reshape(-1, d) if x.dim() != 2 else x
-    if rows.stride(1) != 1 and rows.shape[1] > 1:
+    rows = x.reshape(-1, d) if dims != 2 else x
+    if rows.stride(1) != 1 and d > 1:
         return None
-    lib = _load()
-    if lib is None:
+    fn = _norm_fn(x.dtype == torch.float32)
+    if fn is None:
         return None
     out = torch.empty(rows.shape, dtype=x.dtype)
     n = rows.shape[0]
     if n:
-        fn = lib.rmsnorm_f32 if x.dtype == torch.float32 else lib.rmsnorm_bf16
         fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), n, d, float(eps),
            torch.get_num_threads())
-    return out.view(x.shape)
+    return out.view(x.shape) if dims != 2 else out
+
+
+@lru_cache(maxsize=2)
+def _norm_fn(fp32: bool) -> object | None:
+    """The C function for fp32 or bf16 (looked up once: this runs twice per layer per step)."""
+    lib = _load()
+    if lib is None:
+        return None
+    return lib.rmsnorm_f32 if fp32 else lib.rmsnorm_bf16
