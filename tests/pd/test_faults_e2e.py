@@ -44,6 +44,10 @@ PD = ["disaggregation.transfer_backend=nccl_stalling", "disaggregation.bootstrap
       "disaggregation.transfer_timeout_s=2", "disaggregation.transfer_options.timeout_s=8",
       f"disaggregation.transfer_options.stall_rooms=[{','.join(map(str, STALL_ROOMS))}]",
       f"disaggregation.transfer_options.stall_s={STALL_S}"]
+SLOW_STEP_S = 0.005
+"""Each step of a request naming the fault plugin's ``slow_steps`` lasts at least this long, so a
+900-token decode outlasts the seconds before a kill however fast the host runs the tiny model
+(with ~2 ms steps the first requests had finished by then and no stream was cut mid-decode)."""
 CALL_TIMEOUT_S = 60.0
 """Every client call's timeout; the tests assert that none hit it (a hang)."""
 
@@ -71,7 +75,8 @@ class Cluster:
     router: Server | None = None
 
     def _base(self) -> list[str]:
-        return ["serve", *COMMON, f"model.path={self.model}", *KV, *self.pd]
+        return ["serve", *COMMON, f"model.path={self.model}", *KV, *self.pd,
+                "server.enable_custom_logit_processor=true"]
 
     def start_prefill(self) -> Server:
         self.prefill = spawn([*self._base(), f"server.port={self.p_port}", "disaggregation.mode=prefill",
@@ -100,9 +105,13 @@ class Cluster:
             if s is not None:
                 s.stop(timeout=20)
 
-    def body(self, ids: list[int], max_new: int, room: int | None = None, **extra: Any) -> dict[str, Any]:
+    def body(self, ids: list[int], max_new: int, room: int | None = None, slow: bool = False,
+             **extra: Any) -> dict[str, Any]:
         b: dict[str, Any] = {"input_ids": ids, "sampling_params": {
             "temperature": 0.0, "ignore_eos": True, "max_new_tokens": max_new}, **extra}
+        if slow:
+            b["custom_logit_processor"] = "slow_steps"
+            b["sampling_params"]["custom_params"] = {"sleep_s": SLOW_STEP_S}
         if room is not None:  # straight to the servers, as the router would send it
             b.update(bootstrap_host="127.0.0.1", bootstrap_port=self.b_port, bootstrap_room=room)
         return b
@@ -236,8 +245,8 @@ def test_decode_killed_mid_transfer(cluster: Cluster) -> None:
     # More long requests than the decode KV holds at once (4096 tokens / ~940 each), so some are
     # still queued or decoding at the kill however fast this machine decodes the tiny model.
     with ThreadPoolExecutor(16) as pool:
-        routed = [pool.submit(call, c.router.url, c.body(list(range(5 + i, 45 + i)), LONG, stream=i % 2 == 0),
-                              LONG) for i in range(12)]
+        routed = [pool.submit(call, c.router.url, c.body(list(range(5 + i, 45 + i)), LONG, slow=True,
+                                                          stream=i % 2 == 0), LONG) for i in range(12)]
         time.sleep(2.0)  # the routed requests decode (streams have their headers)
         direct_p = pool.submit(call, c.prefill.url, c.body(PROMPT, 6, room=901))  # stalls mid-pages
         direct_d = pool.submit(call, c.decode.url, c.body(PROMPT, 6, room=901))
