@@ -158,7 +158,8 @@ class ModelRunner:
         if not usable:
             if self.settings.device.cpu_small_gemm.value == "kernel":
                 raise ConfigError("device.cpu_small_gemm: kernel needs device.cpu_linear onednn (or auto) with a "
-                                  "float32 model; allowed values: auto, kernel, onednn")
+                                  "float32 model (or bfloat16 on a CPU with native bf16); "
+                                  "allowed values: auto, kernel, onednn")
             return "aten"
         self.small_gemm = self._choose_small_gemm(self.settings.device.cpu_small_gemm.value)
         pack_linear_layers(self.model, small_gemm=self.small_gemm)
@@ -168,11 +169,11 @@ class ModelRunner:
         """Whether packed fp32 linears also keep a plain copy for the small-GEMM kernel."""
         if choice == "onednn":
             return False
-        fits = self.dtype == torch.float32 and small_gemm_available()
+        fits = self.dtype in (torch.float32, torch.bfloat16) and small_gemm_available()
         if choice == "kernel":
             if not fits:
                 raise ConfigError(
-                    "device.cpu_small_gemm: kernel needs a float32 model and a C compiler for it "
+                    "device.cpu_small_gemm: kernel needs a float32 or bfloat16 model and a C compiler for it "
                     f"(model dtype {str(self.dtype).removeprefix('torch.')}, kernel available: "
                     f"{small_gemm_available()}); allowed values: auto, kernel, onednn")
             return True

@@ -1,6 +1,6 @@
 """Linear layers at a decode step's few rows, in one C call (``small_gemm.c``).
 
-At up to :data:`MAX_ROWS` rows a linear layer reads every weight once and does little arithmetic
+At up to :func:`max_rows` rows a linear layer reads every weight once and does little arithmetic
 with it, so its speed is the rate the cores stream the weight at. The C kernel walks the plain
 ``nn.Linear`` weight in contiguous per-thread slices; on this project's 2-core AVX2 host it streamed
 the ``llama-120m`` weights at ~20.5 GB/s at one row where oneDNN's packed GEMV streamed ~19, and was
@@ -14,6 +14,7 @@ many rows, autograd on, no C compiler) and the caller runs its usual GEMM.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,7 +25,10 @@ from framework.kernels.build import load_optional
 SOURCE = Path(__file__).with_name("small_gemm.c")
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
 
-#: The most rows the kernel takes; above it oneDNN's blocked GEMM measured faster.
+_DTYPES = (torch.float32, torch.bfloat16)
+
+#: The most rows the kernel takes on any build; the build for this CPU may take fewer
+#: (:func:`max_rows`): above its limit oneDNN's blocked GEMM measured faster.
 MAX_ROWS = 8
 
 
@@ -34,8 +38,12 @@ def _load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.small_gemm.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
-    lib.small_gemm.restype = ctypes.c_int
+    for fn in (lib.small_gemm, lib.small_gemm_bf16):
+        fn.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    geometry = (lib.small_gemm_panel_rows(), lib.small_gemm_panel_k(0), lib.small_gemm_panel_k(1))
+    if geometry != (PANEL_ROWS, panel_k(torch.float32), panel_k(torch.bfloat16)):
+        raise RuntimeError("small_gemm.c and small_gemm.py disagree on the panel layout")
     return lib
 
 
@@ -44,29 +52,83 @@ def kernel_available() -> bool:
     return _load() is not None
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+@lru_cache(maxsize=1)
+def max_rows() -> int:
+    """The most rows :func:`small_linear` takes here (``small_gemm_max_rows`` of this CPU's build:
+    8 with AVX2, 3 with AVX-512); 0 when the kernel is unavailable."""
+    lib = _load()
+    return 0 if lib is None else min(MAX_ROWS, int(lib.small_gemm_max_rows()))
+
+
+#: Rows per panel of the kernel's weight layout (``small_gemm.c``); columns per panel piece: one
+#: 64-byte cache line of a row.
+PANEL_ROWS, PANEL_BYTES = 8, 64
+
+
+def panel_k(dtype: torch.dtype) -> int:
+    """Columns per panel piece for weights of ``dtype`` (16 fp32, 32 bf16)."""
+    return PANEL_BYTES // (torch.finfo(dtype).bits // 8)
+
+
+@dataclass(frozen=True, eq=False)
+class PanelWeight:
+    """A linear weight ``[out_features, in_features]`` in the kernel's panel layout (see
+    ``small_gemm.c``): ``data`` is ``[ceil(out / 8), ceil(in / pk), 8, pk]`` with ``pk`` from
+    :func:`panel_k`, zero-padded, so each 8-row panel is one sequential stream. Made by
+    :func:`pack_weight`; :meth:`dense` gives the plain weight back, bit for bit."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def dense(self) -> torch.Tensor:
+        """The ``[out_features, in_features]`` weight this was packed from (a new tensor)."""
+        panels, pieces, _, pk = self.data.shape
+        full = self.data.permute(0, 2, 1, 3).reshape(panels * PANEL_ROWS, pieces * pk)
+        return full[: self.out_features, : self.in_features].contiguous()
+
+
+def pack_weight(weight: torch.Tensor) -> PanelWeight:
+    """``weight`` (``[N, K]``, fp32 or bf16) copied into the kernel's panel layout."""
+    n, k = weight.shape
+    pk = panel_k(weight.dtype)
+    rows, cols = -(-n // PANEL_ROWS) * PANEL_ROWS, -(-k // pk) * pk
+    padded = weight.detach().contiguous()
+    if (rows, cols) != (n, k):
+        padded = weight.new_zeros(rows, cols)
+        padded[:n, :k] = weight.detach()
+    data = padded.view(rows // PANEL_ROWS, PANEL_ROWS, cols // pk, pk).permute(0, 2, 1, 3).contiguous()
+    return PanelWeight(data, n, k)
+
+
+def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None,
                  add: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x @ weight.T (+ bias) (+ add)`` as a new tensor of ``x``'s leading shape, or ``None`` when
-    the kernel does not apply. ``weight`` must be a contiguous fp32 ``[N, K]`` CPU tensor.
+    """``x @ W.T (+ bias) (+ add)`` as a new tensor of ``x``'s leading shape, or ``None`` when the
+    kernel does not apply. ``weight`` is ``W`` from :func:`pack_weight`, fp32 or bf16, of ``x``'s
+    dtype (as ``bias`` and ``add``). bf16 accumulates in fp32 and rounds the output, then rounds
+    again after ``add``, as ``add + F.linear(x, W, bias)`` does.
 
     Called ~60 times per decode step, so the checks are ordered for the common case (2-D rows, no
     reshape, no view): each tensor attribute costs a fraction of a microsecond, and this wrapper
     took 14 us a call before, against ~1 us of C for a small layer."""
-    if x.dtype != torch.float32 or not x.is_cpu or weight.dtype != torch.float32:
+    dtype = x.dtype
+    if weight.dtype != dtype or dtype not in _DTYPES or not x.is_cpu:
         return None
     lead = x.dim() != 2
     k = x.shape[-1] if x.dim() else 0
     rows = (x.numel() // k if k else 0) if lead else x.shape[0]
-    if rows == 0 or rows > MAX_ROWS or weight.dim() != 2 or weight.shape[1] != k:
+    if rows == 0 or rows > max_rows() or weight.in_features != k:
         return None
-    n = weight.shape[0]
-    if not weight.is_contiguous() or not weight.is_cpu:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    n = weight.out_features
+    if torch.is_grad_enabled() and x.requires_grad:
         return None  # autograd cannot see through the kernel
-    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+    if bias is not None and (bias.shape != (n,) or bias.dtype != dtype or not bias.is_contiguous()):
         return None
-    fn = _gemm_fn()
+    fn = _gemm_fn(dtype is torch.float32)
     if fn is None:
         return None
     x2 = x.reshape(rows, k) if lead else x
@@ -74,13 +136,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x2 = x2.contiguous()
     add2 = None
     if add is not None:
-        if add.dtype != torch.float32 or add.numel() != rows * n:
+        if add.dtype != dtype or add.numel() != rows * n:
             return None
         add2 = add.reshape(rows, n) if add.dim() != 2 else add
         if add2.stride(1) != 1 or add2.stride(0) < n:
             add2 = add2.contiguous()
-    out = torch.empty(rows, n, dtype=torch.float32)
-    rc = fn(x2.data_ptr(), x2.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+    out = torch.empty(rows, n, dtype=dtype)
+    rc = fn(x2.data_ptr(), x2.stride(0), weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
             None if add2 is None else add2.data_ptr(), 0 if add2 is None else add2.stride(0),
             out.data_ptr(), n, rows, n, k, torch.get_num_threads())
     if rc != 0:
@@ -88,8 +150,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*x.shape[:-1], n) if lead else out
 
 
-@lru_cache(maxsize=1)
-def _gemm_fn() -> object | None:
-    """The C function itself (a ctypes attribute lookup per call was measurable)."""
+@lru_cache(maxsize=2)
+def _gemm_fn(fp32: bool) -> object | None:
+    """The C function for fp32 or bf16 itself (a ctypes attribute lookup per call was measurable)."""
     lib = _load()
-    return None if lib is None else lib.small_gemm
+    return None if lib is None else (lib.small_gemm if fp32 else lib.small_gemm_bf16)

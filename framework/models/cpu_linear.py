@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.kernels.small_gemm import small_linear
+from framework.kernels.small_gemm import PanelWeight, pack_weight, small_linear
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +115,10 @@ def _without_weight(linear: nn.Linear) -> nn.Linear:
     return copy
 
 
-def _small_gemm_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The plain ``[out, in]`` weight the small-GEMM kernel reads: fp32 only (the kernel's type);
-    contiguous, so a dense weight that already is costs no copy."""
-    return weight.detach().contiguous() if weight.dtype == torch.float32 else None
+def _small_gemm_weight(weight: torch.Tensor) -> PanelWeight | None:
+    """The copy of the weight the small-GEMM kernel reads (its panel layout): fp32 or bf16 only
+    (the kernel's types)."""
+    return pack_weight(weight) if weight.dtype in (torch.float32, torch.bfloat16) else None
 
 
 class PackedLinear(nn.Module):
@@ -138,8 +138,7 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         # A tied lm_head shares its Parameter with the embedding, which still needs it.
         self.weight = linear.weight if keep_dense_weight else None
-        # The plain layout for the small-GEMM kernel at a few rows (see pack_linear_layers); a kept
-        # dense weight serves as it is, at no extra memory.
+        # The small-GEMM kernel's own copy for calls of a few rows (see pack_linear_layers).
         self.small_weight = _small_gemm_weight(weight) if small_gemm else None
         # The collective that completes a tensor-parallel layer (framework.models.parallel).
         self.output_op = getattr(linear, "output_op", None)
@@ -192,7 +191,7 @@ class PackedSwiGLU(nn.Module):
         bias = gate_up.bias
         self.gate_bias = None if bias is None else bias.detach()[:half].contiguous()
         self.up_bias = None if bias is None else bias.detach()[half:].contiguous()
-        # The merged [gate; up] weight as it is, for the small-GEMM kernel (see PackedLinear).
+        # The merged [gate; up] weight for the small-GEMM kernel (see PackedLinear).
         self.small_weight = _small_gemm_weight(weight) if small_gemm else None
         self.small_bias = None if bias is None or not small_gemm else bias.detach().contiguous()
         object.__setattr__(self, "source", _without_weight(gate_up))  # see PackedLinear
@@ -258,9 +257,9 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False) -> int:
 
     Linear layers whose weight is shared with another module (a tied ``lm_head``) keep the shared
     dense weight; the others drop it, so packing does not double the model's memory. With
-    ``small_gemm`` the fp32 layers also keep their plain weight for the small-GEMM kernel
-    (:mod:`framework.kernels.small_gemm`), which runs calls of up to 8 rows (decode steps): faster
-    there than oneDNN, at the price of a second copy of the linear weights.
+    ``small_gemm`` the fp32 and bf16 layers also keep a copy of their weight in the small-GEMM
+    kernel's layout (:mod:`framework.kernels.small_gemm`), which runs calls of up to 8 rows (decode
+    steps): faster there than oneDNN, at the price of a second copy of the linear weights.
     """
     shared = _shared_parameter_ids(model)
     dtypes = packable_dtypes()
@@ -276,11 +275,10 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False) -> int:
 
 
 def small_gemm_extra_bytes(model: nn.Module) -> int:
-    """Bytes the small-GEMM kernel's plain weight copies would add to ``model`` (its fp32 linear
-    layers, bar those whose weight is tied to another module and so stays anyway)."""
-    shared = _shared_parameter_ids(model)
-    return sum(m.weight.numel() * 4 for m in model.modules()
-               if _packable(m, (torch.float32,)) and id(m.weight) not in shared)
+    """Bytes the small-GEMM kernel's weight copies would add to ``model`` (its fp32 and bf16 linear
+    layers, padding to whole panels aside)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if _packable(m, (torch.float32, torch.bfloat16)))
 
 
 def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -328,13 +326,15 @@ def unpack_linear_layers(model: nn.Module, names: set[str] | None = None) -> int
             if names is not None and full not in names:
                 continue
             if isinstance(child, PackedLinear):
-                weight = child.weight if child.weight is not None else child.small_weight
+                weight = child.weight
+                if weight is None and child.small_weight is not None:
+                    weight = child.small_weight.dense()
                 if weight is None:
                     weight = _dense_from_packed(child.packed_weight, child.in_features, child.packed_weight.dtype)
                 setattr(parent, name, _unpacked_linear(child.source, weight))
                 count += 1
             elif isinstance(child, PackedSwiGLU):
-                merged = child.small_weight
+                merged = None if child.small_weight is None else child.small_weight.dense()
                 if merged is None:
                     dtype = child.gate.dtype
                     gate = _dense_from_packed(child.gate, child.in_features, dtype)

@@ -169,7 +169,11 @@ def test_padded_rows_change_no_result(rows: int) -> None:
         assert torch.equal(packed.forward_add(x, residual), residual + exact)
         gate = F.silu(torch.ops.mkldnn._linear_pointwise(x, swiglu.gate, swiglu.gate_bias, "none", [], ""))
         up = torch.ops.mkldnn._linear_pointwise(x, swiglu.up, swiglu.up_bias, "none", [], "")
-        assert torch.equal(swiglu(x), gate * up)
+        # SiLU is elementwise but not bitwise position-independent: torch runs whole vectors through
+        # its vectorised exp and the tail past the last one through the scalar path, and padding
+        # moves that tail (33 x 24 floats leave 8 past 16-lane AVX-512 vectors; 36 x 24 leave none).
+        # So SwiGLU is compared to within fp32 rounding, the GEMMs above bitwise.
+        torch.testing.assert_close(swiglu(x), gate * up, rtol=1e-6, atol=1e-7)
 
 
 _CHURN = r"""

@@ -178,11 +178,13 @@ def test_bf16_kv_cache_kernel_equals_sdpa_path(cases, make_engine, arch):
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_head_dim"])
 def test_bf16_model_runs_on_the_kernels(cases, make_engine, arch):
     """A bf16 model on cpu_paged: decode and extend both go through the C kernels (queries widened
-    to fp32, the bf16 cache read as it is), not the gather + SDPA fallback. Against torch_native's
-    bf16 path (SDPA, which rounds its output to bf16 at other points) the first tokens agree: the
-    first comes from the extend kernel, the second from the decode kernel. Later ones may part at
-    a near-tie of this random model, as any two bf16 paths do; attention accuracy itself is the
-    conformance kit's bf16 grid."""
+    to fp32, the bf16 cache read as it is), not the gather + SDPA fallback. Its greedy tokens are
+    checked teacher-forced against transformers in bf16: each is transformers' argmax or within two
+    bf16 spacings of its largest logit (transformers' logits are bf16: at |logit| 8-16 neighbours
+    are 0.0625 apart, so two bf16 paths that round at different points may break a near-tie of this
+    random model either way; comparing token lists with another bf16 backend failed on such a tie
+    on the AVX-512 host, with oneDNN's bf16 GEMMs as with the small-GEMM kernel's), and most are
+    the argmax. Attention accuracy itself is the conformance kit's bf16 grid."""
     name, path, _, prompts, _ = cases.get(arch)
     paged = make_engine(path, "model.dtype=bfloat16")
     assert paged.runner.kv_cache.dtype == torch.bfloat16
@@ -202,8 +204,17 @@ def test_bf16_model_runs_on_the_kernels(cases, make_engine, arch):
             setattr(kernel_mod, fn, impl)
     assert {c[0] for c in calls} == set(real)
     assert {c[1:] for c in calls} == {(torch.float32, torch.bfloat16)}
-    reference = run_staggered(make_engine(path, "model.dtype=bfloat16", "attention.backend=torch_native"), prompts)
-    assert [g[:2] for g in got] == [r[:2] for r in reference]
+    hf = getattr(transformers, ARCHS[arch][0]).from_pretrained(path, dtype=torch.bfloat16).eval()
+    argmax = 0
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, got, strict=True):
+            logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].float()
+            ref = torch.log_softmax(logits, dim=-1)
+            chosen = ref[torch.arange(len(out)), torch.tensor(out)]
+            spacing = torch.exp2(torch.floor(torch.log2(logits.abs().max(dim=-1).values)) - 7)  # bf16: 8 bits
+            assert (ref.max(dim=-1).values - chosen <= 2 * spacing).all(), (out, ref.argmax(-1).tolist())
+            argmax += int((ref.argmax(-1) == torch.tensor(out)).sum())
+    assert argmax >= 0.9 * sum(len(o) for o in got)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

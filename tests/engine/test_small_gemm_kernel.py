@@ -14,6 +14,7 @@ from framework.models.cpu_linear import (
     PackedSwiGLU,
     onednn_linear_available,
     pack_linear_layers,
+    packable_dtypes,
     small_gemm_extra_bytes,
     unpack_linear_layers,
 )
@@ -21,6 +22,36 @@ from framework.models.layers import SiluAndMul
 
 pytestmark = pytest.mark.skipif(not small_gemm.kernel_available(), reason="no C compiler to build the kernel")
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
+
+
+# The kernel's vector paths are chosen at compile time (-march=native): the AVX-512 (+ AVX512-BF16)
+# blocks, the AVX2 ones, or plain C. Each is built here with the wider ones switched off, so one host
+# tests every path it can run.
+VARIANT_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+
+
+@pytest.fixture(params=sorted(VARIANT_FLAGS))
+def kernel_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """small_linear running the kernel built for one vector path."""
+    import ctypes
+
+    from framework.kernels.build import build_and_load
+
+    lib = build_and_load(small_gemm.SOURCE, f"small_gemm_{request.param}", [*small_gemm.CFLAGS,
+                                                                           *VARIANT_FLAGS[request.param]])
+    for fn in (lib.small_gemm, lib.small_gemm_bf16):
+        fn.argtypes = small_gemm._load().small_gemm.argtypes
+        fn.restype = ctypes.c_int
+    monkeypatch.setattr(small_gemm, "_gemm_fn", lambda fp32: lib.small_gemm if fp32 else lib.small_gemm_bf16)
+    # Every row count computes correctly on every build; the per-build limit is a speed choice.
+    monkeypatch.setattr(small_gemm, "max_rows", lambda: small_gemm.MAX_ROWS)
+    return request.param
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+            add: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The kernel on a plain weight (packed into its panel layout first)."""
+    return small_gemm.small_linear(x, small_gemm.pack_weight(w), bias, add=add)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -43,68 +74,115 @@ def _assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expe
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
 @pytest.mark.parametrize("n_out,k_in", [(40, 24), (130, 768), (257, 1001), (3, 8), (64, 5)])
-def test_matches_float64_reference(rows: int, n_out: int, k_in: int) -> None:
+def test_matches_float64_reference(rows: int, n_out: int, k_in: int, kernel_variant: str) -> None:
     """Row counts around the 3-row blocks, outputs around the 4-row blocks and the per-thread split,
     input lengths with and without a tail past the last multiple of 8."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out + k_in)
     x, w = torch.randn(rows, k_in, generator=g), torch.randn(n_out, k_in, generator=g)
-    got = small_gemm.small_linear(x, w)
+    got = _linear(x, w)
     assert got is not None and got.is_contiguous()
     _assert_fp32_close(got, x, w, _reference(x, w))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_bias_add_and_thread_counts(threads: int) -> None:
+def test_bias_add_and_thread_counts(threads: int, kernel_variant: str) -> None:
     g = torch.Generator().manual_seed(threads)
     x, w = torch.randn(5, 300, generator=g), torch.randn(515, 300, generator=g)
     bias, add = torch.randn(515, generator=g), torch.randn(5, 515, generator=g)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = small_gemm.small_linear(x, w, bias, add=add)
+        got = _linear(x, w, bias, add=add)
     finally:
         torch.set_num_threads(before)
     assert got is not None
     _assert_fp32_close(got, x, w, _reference(x, w, bias, add))
 
 
-def test_strided_and_shaped_inputs() -> None:
+def test_strided_and_shaped_inputs(kernel_variant: str) -> None:
     """A leading shape comes back as it went in; a strided row (a view of every other column, a
     slice of a bigger batch) is read as its values, not its memory."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(33, 20, generator=g)
     x3 = torch.randn(2, 3, 20, generator=g)
-    got = small_gemm.small_linear(x3, w)
+    got = _linear(x3, w)
     assert got is not None and got.shape == (2, 3, 33)
     _assert_fp32_close(got.view(6, 33), x3.view(6, 20), w, _reference(x3.view(6, 20), w))
     wide = torch.randn(4, 40, generator=g)
     strided = wide[:, ::2]
-    got = small_gemm.small_linear(strided, w)
+    got = _linear(strided, w)
     _assert_fp32_close(got, strided, w, _reference(strided, w))
     last = torch.randn(3, 5, 20, generator=g)[:, -1, :]  # rows 100 floats apart
-    got = small_gemm.small_linear(last, w)
+    got = _linear(last, w)
     _assert_fp32_close(got, last, w, _reference(last, w))
+
+
+def _bf16_bounds(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, add: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The least and greatest bf16 results an fp32-accumulating kernel may return: the exact
+    ``x w^T + bias`` (float64) moved by the fp32 dot-product error bound either way, rounded to
+    bf16, then (rounding being monotonic) ``+ add`` rounded again, as ``add + F.linear`` in bf16."""
+    exact = F.linear(x.double(), w.double(), bias.double())
+    err = 2 * x.shape[-1] * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().t())
+    lo, hi = (exact - err).to(torch.bfloat16), (exact + err).to(torch.bfloat16)
+    if add is not None:
+        lo, hi = (lo.double() + add.double()).to(torch.bfloat16), (hi.double() + add.double()).to(torch.bfloat16)
+    return lo, hi
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("n_out,k_in", [(40, 24), (257, 1001), (3, 8), (64, 5)])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_bf16_within_fp32_accumulation_of_the_exact_result(rows: int, n_out: int, k_in: int, with_add: bool,
+                                                          kernel_variant: str) -> None:
+    """bf16 weights widened in the kernel: every output lies between the bf16 roundings of the exact
+    result moved by fp32 accumulation error, the residual added after rounding the linear's output
+    (a kernel that dropped a column, a K tail or the bias, or summed in bf16, falls outside)."""
+    g = torch.Generator().manual_seed(rows * 1000 + n_out + k_in + with_add)
+    x, w = torch.randn(rows, k_in, generator=g).bfloat16(), torch.randn(n_out, k_in, generator=g).bfloat16()
+    bias = torch.randn(n_out, generator=g).bfloat16()
+    add = torch.randn(rows, n_out, generator=g).bfloat16() if with_add else None
+    got = _linear(x, w, bias, add=add)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n_out)
+    lo, hi = _bf16_bounds(x, w, bias, add)
+    assert torch.all((lo.float() <= got.float()) & (got.float() <= hi.float()))
 
 
 def test_steps_aside_where_it_does_not_apply() -> None:
     w = torch.randn(16, 8)
-    assert small_gemm.small_linear(torch.randn(small_gemm.MAX_ROWS + 1, 8), w) is None
-    assert small_gemm.small_linear(torch.randn(2, 8, dtype=torch.float64), w) is None
-    assert small_gemm.small_linear(torch.randn(2, 8), w.to(torch.bfloat16)) is None
-    assert small_gemm.small_linear(torch.randn(2, 8), w.t().contiguous().t()) is None  # not row-major
-    assert small_gemm.small_linear(torch.randn(2, 9), w) is None
-    assert small_gemm.small_linear(torch.randn(0, 8), w) is None
+    assert _linear(torch.randn(small_gemm.max_rows() + 1, 8), w) is None
+    assert _linear(torch.randn(2, 8, dtype=torch.float64), w) is None
+    assert _linear(torch.randn(2, 8), w.to(torch.bfloat16)) is None  # dtypes differ
+    assert _linear(torch.randn(2, 8).half(), w.half()) is None
+    assert _linear(torch.randn(2, 9), w) is None
+    assert _linear(torch.randn(0, 8), w) is None
     x = torch.randn(2, 8, requires_grad=True)
-    assert small_gemm.small_linear(x, w) is None  # autograd must see the op
+    assert _linear(x, w) is None  # autograd must see the op
     with torch.no_grad():
-        assert small_gemm.small_linear(x, w) is not None
+        assert _linear(x, w) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_out,k_in", [(16, 64), (13, 40), (1, 1), (9, 33)])
+def test_panel_layout_round_trips(dtype: torch.dtype, n_out: int, k_in: int) -> None:
+    """pack_weight pads to whole panels with zeros and dense() gives the weight back bit for bit
+    (unpacking for weight updates and memory release reads it); a non-contiguous weight packs by
+    its values."""
+    w = torch.randn(n_out, k_in).to(dtype)
+    packed = small_gemm.pack_weight(w)
+    pk = small_gemm.panel_k(dtype)  # one 64-byte line of a row: 16 fp32, 32 bf16
+    assert pk * w.element_size() == 64
+    assert packed.data.shape == (-(-n_out // 8), -(-k_in // pk), 8, pk)
+    assert torch.equal(packed.dense(), w)
+    assert int((packed.data != 0).sum()) == int((w != 0).sum())  # the padding holds zeros
+    assert torch.equal(small_gemm.pack_weight(w.t().contiguous().t()).dense(), w)
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 4, 8, 9, 40])
-def test_packed_layers_use_it_up_to_eight_rows(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``small_gemm`` the packed layers send calls of <= 8 rows to the kernel (counted) and the
-    rest to oneDNN, and both agree with F.linear; the SwiGLU path with SiLU * up."""
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 40])
+def test_packed_layers_use_it_up_to_its_row_limit(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``small_gemm`` the packed layers send calls of up to ``max_rows()`` rows (8 on AVX2, 3 on
+    AVX-512) to the kernel (counted) and the rest to oneDNN, and both agree with F.linear; the SwiGLU path with SiLU * up."""
     calls = []
     real = small_gemm.small_linear
 
@@ -123,13 +201,13 @@ def test_packed_layers_use_it_up_to_eight_rows(rows: int, monkeypatch: pytest.Mo
         torch.testing.assert_close(packed.forward_add(x, residual), residual + F.linear(x, lin.weight, lin.bias),
                                    atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(swiglu(x), SiluAndMul()(gate_up(x)), atol=1e-5, rtol=1e-5)
-    assert calls == [rows <= small_gemm.MAX_ROWS] * 3
+    assert calls == [rows <= small_gemm.max_rows()] * 3
 
 
 @needs_onednn
 def test_packing_keeps_plain_copies_and_unpacks_from_them() -> None:
-    """The plain copy costs what small_gemm_extra_bytes says (a tied head's weight is shared, not
-    copied), and unpacking hands the same weights back."""
+    """The kernel's copy costs what small_gemm_extra_bytes says, and unpacking hands the same
+    weights back bit for bit (from the kernel's panel copy: the dense weights were dropped)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 24))
     dense = [m.weight.detach().clone() for m in (model[0], model[2])]
@@ -146,16 +224,37 @@ def test_packing_keeps_plain_copies_and_unpacks_from_them() -> None:
 
 @needs_onednn
 def test_engine_setting_and_its_errors(tiny_model, engine_factory) -> None:
-    """auto picks the kernel for a small fp32 model; onednn keeps oneDNN alone; asking for the
+    """auto picks the kernel for a small fp32 model (and a bf16 one where oneDNN packs bf16: a CPU
+    with native bf16); onednn keeps oneDNN alone; asking for the
     kernel where it cannot run names the key and the allowed values."""
     from framework.errors import ConfigError
 
     assert engine_factory(tiny_model, "model.dtype=float32").runner.small_gemm is True
+    native_bf16 = torch.bfloat16 in packable_dtypes()
+    assert engine_factory(tiny_model, "model.dtype=bfloat16").runner.small_gemm is native_bf16
     off = engine_factory(tiny_model, "model.dtype=float32", "device.cpu_small_gemm=onednn")
     assert off.runner.small_gemm is False and off.runner.describe()["cpu_small_gemm"] is False
     with pytest.raises(ConfigError, match=r"device.cpu_small_gemm: kernel needs device.cpu_linear.*auto, kernel"):
         engine_factory(tiny_model, "device.cpu_linear=aten", "device.cpu_small_gemm=kernel")
     with pytest.raises(ConfigError, match=r"device.cpu_small_gemm: kernel needs .*float32 model"):
-        engine_factory(tiny_model, "model.dtype=bfloat16", "device.cpu_small_gemm=kernel")
+        engine_factory(tiny_model, "model.dtype=float16", "device.cpu_small_gemm=kernel")
     with pytest.raises(ConfigError, match=r"device.cpu_small_gemm.*expected one of \[auto, kernel, onednn\]"):
         engine_factory(tiny_model, "device.cpu_small_gemm=fast")
+
+
+@needs_onednn
+@pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="oneDNN packs bf16 only on a CPU with native bf16")
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_packed_bf16_layers_agree_with_f_linear(rows: int) -> None:
+    """bf16 packed layers (kernel at <= 8 rows, oneDNN above) against bf16 ``F.linear``: equal to
+    within one bf16 rounding (both accumulate in fp32, in different orders)."""
+    torch.manual_seed(rows)
+    lin, gate_up = nn.Linear(96, 80).bfloat16(), nn.Linear(96, 2 * 48).bfloat16()
+    x, residual = torch.randn(rows, 96).bfloat16(), torch.randn(rows, 80).bfloat16()
+    with torch.no_grad():
+        packed, swiglu = PackedLinear(lin, small_gemm=True), PackedSwiGLU(gate_up, small_gemm=True)
+        assert packed.small_weight is not None and packed.small_weight.dtype == torch.bfloat16
+        tol = {"atol": 2e-2, "rtol": 1e-2}
+        torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), **tol)
+        torch.testing.assert_close(packed.forward_add(x, residual), residual + F.linear(x, lin.weight, lin.bias), **tol)
+        torch.testing.assert_close(swiglu(x), SiluAndMul()(gate_up(x)), **tol)
