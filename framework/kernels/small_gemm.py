@@ -1,14 +1,16 @@
 """Linear layers at a decode step's few rows, in one C call (``small_gemm.c``).
 
 At up to :func:`max_rows` rows a linear layer reads every weight once and does little arithmetic
-with it, so its speed is the rate the cores stream the weight at. The C kernel walks the plain
-``nn.Linear`` weight in contiguous per-thread slices; on this project's 2-core AVX2 host it streamed
-the ``llama-120m`` weights at ~20.5 GB/s at one row where oneDNN's packed GEMV streamed ~19, and was
-1.4x / 1.1x / 1.2x faster at 2 / 4 / 8 rows (``plugserve bench small-gemm``). At 16 rows the two
-were even and above that oneDNN's blocked GEMM wins, hence the limit.
+with it, so its speed is the rate the cores stream the weight at. The C kernel walks its own copy
+of the weight (:func:`pack_weight`: panels of 8 rows, one sequential stream each) in contiguous
+per-thread slices. On this project's 2-core AVX2 host it streamed the ``llama-120m`` weights at
+~20.5 GB/s at one row where oneDNN's packed GEMV streamed ~19, and was 1.4x / 1.1x / 1.2x faster
+at 2 / 4 / 8 rows; on the Zen 4 host (AVX-512, AVX512-BF16) 1.1x (fp32) and 1.3x (bf16) faster at
+one row and faster up to 3 rows, oneDNN's blocked GEMM winning from 4 (docs/benchmarks.md), hence
+the per-build limit.
 
-:func:`small_linear` returns ``None`` when the kernel does not apply (not fp32 CPU tensors, too
-many rows, autograd on, no C compiler) and the caller runs its usual GEMM.
+:func:`small_linear` returns ``None`` when the kernel does not apply (not fp32 or bf16 CPU tensors,
+too many rows, autograd on, no C compiler) and the caller runs its usual GEMM.
 """
 
 from __future__ import annotations
