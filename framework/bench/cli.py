@@ -39,6 +39,7 @@ def add_bench_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_one_batch)
 
     # Commands defined in their own modules (imports stay light: argparse only until run).
+    from framework.bench.gemv import add_gemv_command
     from framework.bench.membw import add_membw_commands
     from framework.bench.pd import add_pd_command
     from framework.bench.plot import add_plot_command
@@ -56,6 +57,7 @@ def add_bench_commands(sub: Any) -> None:
     add_rl_command(bench_sub, common)
     add_tp_command(bench_sub, common)
     add_membw_commands(bench_sub, common, output_args)
+    add_gemv_command(bench_sub, common)
     _add_entry_point_commands(bench_sub, common)
 
 

@@ -14,6 +14,8 @@ import transformers
 
 from framework.bench.membw import measure_bandwidth, run_membw, weight_bytes_per_token
 from framework.cli.main import main
+from framework.kernels import small_gemm
+from framework.models.cpu_linear import onednn_linear_available
 from framework.testing.tiny_models import save_tiny_model
 
 
@@ -73,3 +75,30 @@ def test_decode_bound_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert result["achieved_gb_s"] == pytest.approx(moved / step_s / 1e9, rel=0.03)
     assert result["fraction_of_bound"] == pytest.approx(result["achieved_gb_s"] / result["read_bound_gb_s"], rel=0.03)
     assert json.loads(out.read_text().splitlines()[-1])["kind"] == "decode-bound"
+
+
+@pytest.mark.skipif(not onednn_linear_available() or not small_gemm.kernel_available(),
+                    reason="needs torch's oneDNN linear ops and a C compiler for the small-GEMM kernel")
+def test_gemv_command_times_every_packed_layer(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench gemv`` finds the model's packed layers (per layer: qkv, o, the merged SwiGLU, down;
+    plus the LM head), counts their weight bytes as the checkpoint has them, and reports both ways
+    at each row count with the engine's choice marked."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "r.jsonl"
+    assert main(["bench", "gemv", "--random-model", "llama-tiny", "--rows", "1", "4", "9", "--rounds", "2",
+                 "--inner", "1", "--output", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    path = next((tmp_path / "plugserve-bench-models").iterdir())
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    assert result["dtype"] == "float32" and result["layers"] == 4 * cfg.num_hidden_layers + 1
+    # What a decode step reads (input embedding row excluded) less the norms' weights: the linears.
+    norms = sum(p.numel() for n, p in transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()
+                if "norm" in n)
+    assert result["weight_bytes"] == weight_bytes_per_token(str(path), torch.float32) - 4 * norms
+    assert [r["rows"] for r in result["results"]] == [1, 4, 9]
+    for r in result["results"]:
+        assert r["engine_uses"] == ("kernel" if r["rows"] <= small_gemm.max_rows() else "onednn")
+        assert _sane_gb_s(r["kernel_gb_s"]) and _sane_gb_s(r["onednn_gb_s"])
+        assert r["kernel_speedup"] == pytest.approx(r["onednn_ms"] / r["kernel_ms"], rel=0.01)
+    assert json.loads(out.read_text().splitlines()[-1])["kind"] == "gemv"
