@@ -87,6 +87,7 @@ def time_chains(layers: list[tuple[Any, list[Any], Any]], rows: int, rounds: int
 
 def run_gemv(engine: Any, rows_list: list[int], rounds: int, inner: int) -> dict[str, Any]:
     """Both ways at each row count for ``engine``'s model; raises when it has no kernel copies."""
+    from framework.bench.membw import significant
     from framework.kernels import small_gemm
 
     layers = _layers(engine.runner.model)
@@ -98,10 +99,11 @@ def run_gemv(engine: Any, rows_list: list[int], rounds: int, inner: int) -> dict
     for rows in rows_list:
         t = time_chains(layers, rows, rounds, inner)
         results.append({"rows": rows, "engine_uses": "kernel" if rows <= small_gemm.max_rows() else "onednn",
-                        "kernel_ms": round(t["kernel"] * 1e3, 3), "onednn_ms": round(t["onednn"] * 1e3, 3),
+                        # Significant digits, not decimals: a tiny model's chain takes microseconds.
+                        "kernel_ms": significant(t["kernel"] * 1e3), "onednn_ms": significant(t["onednn"] * 1e3),
                         "kernel_gb_s": round(nbytes / t["kernel"] / 1e9, 2),
                         "onednn_gb_s": round(nbytes / t["onednn"] / 1e9, 2),
-                        "kernel_speedup": round(t["onednn"] / t["kernel"], 3)})
+                        "kernel_speedup": significant(t["onednn"] / t["kernel"])})
     return {"dtype": str(layers[0][0].dtype).removeprefix("torch."), "layers": len(layers),
             "weight_bytes": nbytes, "kernel_max_rows": small_gemm.max_rows(), "rounds": rounds, "inner": inner,
             "results": results}

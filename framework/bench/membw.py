@@ -94,7 +94,8 @@ def weight_bytes_per_token(model_path: str, dtype: torch.dtype) -> int:
     return total * itemsize
 
 
-def _significant(x: float, digits: int = 4) -> float:
+def significant(x: float, digits: int = 4) -> float:
+    """``x`` rounded to ``digits`` significant digits (figures of tiny and large models alike)."""
     return float(f"{x:.{digits}g}")
 
 
@@ -131,9 +132,9 @@ def decode_against_bound(engine: Any, model_path: str, read_gb_s: float, input_l
         "weight_bytes_per_token": weights,
         "kv_bytes_per_token": kv,
         "decode_step_median_ms": round(step * 1e3, 4),
-        "achieved_gb_s": _significant(achieved),
+        "achieved_gb_s": significant(achieved),
         "read_bound_gb_s": read_gb_s,
-        "fraction_of_bound": _significant(achieved / read_gb_s),
+        "fraction_of_bound": significant(achieved / read_gb_s),
         "bound_step_ms": round((weights + kv) / (read_gb_s * 1e9) * 1e3, 3),
         "one_batch": row,
     }
