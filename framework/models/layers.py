@@ -213,8 +213,9 @@ def apply_rotary_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     """RoPE on ``q`` and ``k`` (``[n, heads * head_dim]``, e.g. views into a merged qkv output), and
     all three returned contiguous, as attention backends take them.
 
-    For fp32 on CPU this is one call of a C kernel (:mod:`framework.kernels.rotary`), bitwise equal
-    to :func:`apply_rotary` (same products and sums, no fused multiply-add); elsewhere the torch ops.
+    For fp32 and bf16 on CPU this is one call of a C kernel (:mod:`framework.kernels.rotary`),
+    bitwise equal to :func:`apply_rotary` (same products, sums and roundings, no fused
+    multiply-add); elsewhere the torch ops.
     """
     fused = rotary_qkv(q, k, v, cos, sin, head_dim)
     if fused is not None:

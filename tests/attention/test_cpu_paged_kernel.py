@@ -77,10 +77,12 @@ def test_spans_of_a_long_request_merge_like_one_softmax(kv_dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_store_in_the_kernel_call_equals_kvcache_store(kv_dtype: torch.dtype) -> None:
-    """``new_kv`` stores this step's K/V before reading: the cache must come out bitwise what
-    :meth:`KVCache.store` writes (bf16 rounding included), and the output what SDPA gives over it.
-    A slot outside the cache is an IndexError with nothing written."""
+@pytest.mark.parametrize("new_dtype", [torch.float32, torch.bfloat16])
+def test_store_in_the_kernel_call_equals_kvcache_store(kv_dtype: torch.dtype, new_dtype: torch.dtype) -> None:
+    """``new_kv`` stores this step's K/V (fp32, or bf16 from a bf16 model) before reading: the
+    cache must come out bitwise what :meth:`KVCache.store` writes (bf16 rounding or widening
+    included), and the output what SDPA gives over it. A slot outside the cache is an IndexError
+    with nothing written."""
     from framework.memory.kv_cache import KVCache
 
     bs, heads, kv_heads, head_dim = 3, 8, 2, 64
@@ -97,8 +99,8 @@ def test_store_in_the_kernel_call_equals_kvcache_store(kv_dtype: torch.dtype) ->
     table[torch.arange(bs).repeat_interleave(lens), torch.cat([torch.arange(n) for n in lens.tolist()])] = \
         slots.to(torch.int32)
     loc = table[torch.arange(bs), lens - 1].to(torch.int64)  # this step's token is each request's last
-    k_new = torch.randn(bs, kv_heads * head_dim, generator=g) * 3
-    v_new = torch.randn(bs, kv_heads * head_dim, generator=g) * 3
+    k_new = (torch.randn(bs, kv_heads * head_dim, generator=g) * 3).to(new_dtype)
+    v_new = (torch.randn(bs, kv_heads * head_dim, generator=g) * 3).to(new_dtype)
     q = torch.randn(bs, heads, head_dim, generator=g)
     rows = torch.arange(bs)
     out = torch.empty_like(q)

@@ -73,11 +73,11 @@ def _kernel_store(cache: Any, k: torch.Tensor, v: torch.Tensor,
                   loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(k, v, loc)`` for the decode kernel to store itself, or None when :meth:`KVCache.store`
     must: a pool that overrides ``store`` (a plugin's may track or transform writes), or K/V that
-    are not contiguous fp32, or slots that are not int64. Storing in the kernel call saves the two
-    index_puts per layer that cost ~35 us at a batch-1 decode step (of ~90 us of attention)."""
+    are not contiguous fp32 or bf16, or slots that are not int64. Storing in the kernel call saves
+    the two index_puts per layer that cost ~35 us at a batch-1 decode step (of ~90 us of attention)."""
     if type(cache).store is not KVCache.store:
         return None
-    if k.dtype != torch.float32 or v.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
+    if k.dtype not in KV_DTYPES or v.dtype != k.dtype or not (k.is_contiguous() and v.is_contiguous()):
         return None
     if loc.dtype != torch.int64 or not loc.is_contiguous():
         return None

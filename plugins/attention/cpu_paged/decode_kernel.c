@@ -214,42 +214,53 @@ static int64_t make_units(const int64_t *lens, int64_t bs, int64_t num_threads, 
     return n;
 }
 
-/* Each query's new K and V row (fp32, kv_heads * head_dim elements, contiguous) into slot loc[b] of
- * the cache, rounded to bfloat16 as torch's .to(bfloat16) does when the cache is bf16: the store a
+/* Each query's new K and V row (kv_heads * head_dim elements, contiguous; bfloat16 when new_bf16,
+ * else float32) into slot loc[b] of the cache, converted to the cache's type as torch's index_put
+ * does (fp32 rounded to bf16 to nearest even, bf16 widened exactly, same types copied): the store a
  * decode step makes before reading, in this call rather than two torch index_puts per layer. */
-static void store_new_rows(void *k, void *v, const float *k_new, const float *v_new, const int64_t *loc,
-                           int64_t bs, int64_t row_elems, int bf16) {
+static void store_new_rows(void *k, void *v, const void *k_new, const void *v_new, const int64_t *loc,
+                           int64_t bs, int64_t row_elems, int bf16, int new_bf16) {
+    const size_t elem = bf16 ? 2 : 4;
     for (int64_t b = 0; b < bs; ++b) {
-        const float *kn = k_new + b * row_elems, *vn = v_new + b * row_elems;
-        if (bf16) {
-            uint16_t *kd = (uint16_t *)k + loc[b] * row_elems, *vd = (uint16_t *)v + loc[b] * row_elems;
+        const int64_t src = b * row_elems, dst = loc[b] * row_elems;
+        if (bf16 == new_bf16) {
+            memcpy((char *)k + dst * elem, (const char *)k_new + src * elem, elem * (size_t)row_elems);
+            memcpy((char *)v + dst * elem, (const char *)v_new + src * elem, elem * (size_t)row_elems);
+        } else if (bf16) {
+            const float *kn = (const float *)k_new + src, *vn = (const float *)v_new + src;
+            uint16_t *kd = (uint16_t *)k + dst, *vd = (uint16_t *)v + dst;
             for (int64_t e = 0; e < row_elems; ++e) {
                 kd[e] = float_to_bf16(kn[e]);
                 vd[e] = float_to_bf16(vn[e]);
             }
         } else {
-            memcpy((float *)k + loc[b] * row_elems, kn, sizeof(float) * (size_t)row_elems);
-            memcpy((float *)v + loc[b] * row_elems, vn, sizeof(float) * (size_t)row_elems);
+            const uint16_t *kn = (const uint16_t *)k_new + src, *vn = (const uint16_t *)v_new + src;
+            float *kd = (float *)k + dst, *vd = (float *)v + dst;
+            for (int64_t e = 0; e < row_elems; ++e) {
+                kd[e] = bf16_to_float(kn[e]);
+                vd[e] = bf16_to_float(vn[e]);
+            }
         }
     }
 }
 
 /* k and v hold bfloat16 elements when kv_bf16 is non-zero, float32 otherwise. With k_new, v_new and
- * loc non-NULL, the new tokens' K/V are stored first (see store_new_rows).
+ * loc non-NULL, the new tokens' K/V (bfloat16 when new_bf16 is non-zero, else float32) are stored
+ * first (see store_new_rows).
  * Returns 0 on success, 3 for a slot in loc outside [0, num_slots) (nothing written), other
  * non-zero values when memory or a thread could not be had. */
 int paged_decode_attention(const float *q, void *k, void *v, float *out, const int32_t *table,
                            int64_t table_stride, const int64_t *rows, const int64_t *lens, int64_t bs,
                            int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t num_threads,
-                           int64_t kv_bf16, const float *k_new, const float *v_new, const int64_t *loc,
-                           int64_t num_slots) {
+                           int64_t kv_bf16, const void *k_new, const void *v_new, const int64_t *loc,
+                           int64_t num_slots, int64_t new_bf16) {
     void *(*run)(void *) = kv_bf16 ? run_units_bf16 : run_units_f32;
     if (bs <= 0) return 0;
     if (kv_heads <= 0 || num_heads % kv_heads != 0) return 2;
     if (k_new && v_new && loc) {
         for (int64_t b = 0; b < bs; ++b)
             if (loc[b] < 0 || loc[b] >= num_slots) return 3;
-        store_new_rows(k, v, k_new, v_new, loc, bs, kv_heads * head_dim, (int)kv_bf16);
+        store_new_rows(k, v, k_new, v_new, loc, bs, kv_heads * head_dim, kv_bf16 != 0, new_bf16 != 0);
     }
     if (num_threads < 1) num_threads = 1;
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;

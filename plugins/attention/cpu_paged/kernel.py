@@ -36,7 +36,7 @@ def load_kernel() -> ctypes.CDLL:
     lib = build_and_load(SOURCE, "cpu_paged_decode", CFLAGS)
     fn = lib.paged_decode_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64, p, p, p, i64]
+    fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64, p, p, p, i64, i64]
     fn.restype = ctypes.c_int
     lib.paged_decode_uses_openmp.argtypes = []
     lib.paged_decode_uses_openmp.restype = ctypes.c_int
@@ -80,8 +80,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``q``/``out`` ``[bs, heads, head_dim]`` fp32; ``k_cache``/``v_cache`` ``[slots, kv_heads,
     head_dim]``, both fp32 or both bf16 (read widened to fp32); ``req_to_token`` ``[rows, stride]``
     int32; ``rows``/``lens`` ``[bs]`` int64. ``new_kv``, when given, is ``(k, v, loc)``: this step's
-    K and V (fp32, ``bs x kv_heads x head_dim`` elements each) stored at slots ``loc`` (int64
-    ``[bs]``) before anything is read, what :meth:`KVCache.store` would do. Every tensor must be
+    K and V (both fp32 or both bf16, ``bs x kv_heads x head_dim`` elements each) stored at slots
+    ``loc`` (int64 ``[bs]``) before anything is read, converted to the cache's dtype, what
+    :meth:`KVCache.store` would do. Every tensor must be
     contiguous on the CPU (checked: a wrong layout would read garbage).
     """
     kv_dtype = k_cache.dtype if k_cache.dtype in KV_DTYPES else torch.float32
@@ -93,7 +94,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_new = v_new = loc = None
     if new_kv is not None:
         k_new, v_new, loc = new_kv
-        _check((("new k", k_new, torch.float32), ("new v", v_new, torch.float32), ("loc", loc, torch.int64)))
+        new_dtype = k_new.dtype if k_new.dtype in KV_DTYPES else torch.float32
+        _check((("new k", k_new, new_dtype), ("new v", v_new, new_dtype), ("loc", loc, torch.int64)))
         if k_new.numel() != bs * kv_heads * head_dim or v_new.numel() != k_new.numel() or loc.numel() != bs:
             raise ValueError(f"new_kv: need {bs} rows of {kv_heads} x {head_dim} K/V values and {bs} slots")
     status = load_kernel().paged_decode_attention(
@@ -102,6 +104,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         float(scale), num_threads, int(kv_dtype == torch.bfloat16),
         None if k_new is None else k_new.data_ptr(), None if v_new is None else v_new.data_ptr(),
         None if loc is None else loc.data_ptr(), k_cache.shape[0],
+        int(k_new is not None and k_new.dtype == torch.bfloat16),
     )
     if status == 3:
         raise IndexError(f"new_kv: a slot in loc is outside the cache's {k_cache.shape[0]} slots")
