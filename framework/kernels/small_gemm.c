@@ -26,6 +26,7 @@
  * Threads: OpenMP (torch's own runtime inside torch's process), output rows in chunks that the
  * threads take in turn.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -58,6 +59,8 @@ typedef struct {
     void *y; int64_t ldy;          /* M rows of N, the weight's type */
     int64_t M, Kp;                 /* Kp: K rounded up to the panel piece (PANEL_K_F32 or _BF16) */
     int bf16;
+    void *act; int64_t ld_act;     /* SwiGLU output (M rows of N / 2, the weight's type), or NULL: then y
+                                    * is a scratch [gate; up] and act gets silu(gate) * up */
 } gemm_args;
 
 /* The epilogue every path shares: bias and the fused residual add, then the store. bf16 rounds the
@@ -217,7 +220,40 @@ static void rows_range(const gemm_args *a, int64_t n_begin, int64_t n_end) {
     }
 }
 
+/* act[m, n] = silu(gate) * up for n in [n_begin, n_end), gate = y[m, n], up = y[m, half + n], as
+ * torch's F.silu(gate) * up: silu is x / (1 + exp(-x)) in fp32 (libm's expf here, torch's own
+ * vectorised exp there: the two differ in the last bit at most), and in bf16 silu and the product
+ * are each rounded to bf16, as two bf16 torch ops round. */
+static void swiglu_rows(const gemm_args *a, int64_t n_begin, int64_t n_end, int64_t half) {
+    for (int64_t m = 0; m < a->M; m++) {
+        for (int64_t n = n_begin; n < n_end; n++) {
+            if (!a->bf16) {
+                const float *y = (const float *)a->y + m * a->ldy;
+                const float g = y[n];
+                ((float *)a->act)[m * a->ld_act + n] = g / (1.0f + expf(-g)) * y[half + n];
+                continue;
+            }
+            const uint16_t *y = (const uint16_t *)a->y + m * a->ldy;
+            const float g = bf16_to_float(y[n]);
+            const float silu = bf16_to_float(float_to_bf16(g / (1.0f + expf(-g))));
+            ((uint16_t *)a->act)[m * a->ld_act + n] = float_to_bf16(silu * bf16_to_float(y[half + n]));
+        }
+    }
+}
+
+/* The rows [n_begin, n_end) of the output; with SwiGLU, of the gate, with the up rows that pair with
+ * them and the SwiGLU of the pairs while they are in cache. */
+static void unit_of_work(const gemm_args *a, int64_t n_begin, int64_t n_end, int64_t half) {
+    rows_range(a, n_begin, n_end);
+    if (!a->act) return;
+    rows_range(a, half + n_begin, half + n_end);
+    swiglu_rows(a, n_begin, n_end, half);
+}
+
 static int run(gemm_args *a, int64_t N, int threads) {
+    /* With SwiGLU the work is split over the gate rows; each unit also does the matching up rows. */
+    const int64_t half = a->act ? N / 2 : 0;
+    if (a->act) N = half;
     if (threads < 1) threads = 1;
     /* Each thread at least 64 rows: below that, waking a thread costs more than it streams. */
     int64_t most = (N + 63) / 64;
@@ -231,11 +267,11 @@ static int run(gemm_args *a, int64_t N, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
         int64_t n_begin = c * CHUNK_ROWS, n_end = n_begin + CHUNK_ROWS < N ? n_begin + CHUNK_ROWS : N;
-        rows_range(a, n_begin, n_end);
+        unit_of_work(a, n_begin, n_end, half);
     }
 #else
     (void)threads;
-    rows_range(a, 0, N);
+    unit_of_work(a, 0, N, half);
 #endif
     return 0;
 }
@@ -243,9 +279,15 @@ static int run(gemm_args *a, int64_t N, int threads) {
 /* y = x w^T (+ bias) (+ add), fp32 (bf16 != 0: every tensor bf16, as uint16_t bits). x: M rows of K,
  * row stride ldx; w: [N, K] in panels (small_gemm.py's pack_weight: PANEL_ROWS rows by pieces of
  * PANEL_K_F32 / _BF16 columns, zero-padded); bias: N or NULL; add: M rows of N (stride ld_add) or NULL; y: M rows of N,
- * row stride ldy. Returns 0, -1 for bad sizes, -2 when the scratch input cannot be allocated. */
+ * row stride ldy. With act non-NULL, w is a merged [gate; up] weight (N / 2 a multiple of
+ * PANEL_ROWS, so the up rows start a panel), y is ignored (a scratch takes the GEMM) and act gets
+ * M rows (stride ld_act) of silu(gate) * up. Returns 0, -1 for bad sizes, -2 when a scratch
+ * buffer cannot be allocated. */
 static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void *bias, const void *add,
-                          int64_t ld_add, void *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int bf16) {
+                          int64_t ld_add, void *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int bf16,
+                          void *act, int64_t ld_act) {
+    if (act && (add || N % (2 * PANEL_ROWS) || ld_act < N / 2)) return -1;
+    if (act) ldy = N;
     if (M < 0 || N < 0 || K < 0 || ldx < K || ldy < N || (add && ld_add < N)) return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t pk = bf16 ? PANEL_K_BF16 : PANEL_K_F32, Kp = (K + pk - 1) / pk * pk;
@@ -254,11 +296,14 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
     size_t floats = (size_t)(M * Kp > 0 ? M * Kp : 1);
     float *xf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     uint16_t *xb = bf16 ? aligned_alloc(64, (floats * sizeof(uint16_t) + 63) / 64 * 64) : NULL;
-    if (!xf || (bf16 && !xb)) {
+    void *scratch = act ? malloc((size_t)(M * N) * (bf16 ? sizeof(uint16_t) : sizeof(float))) : NULL;
+    if (!xf || (bf16 && !xb) || (act && !scratch)) {
         free(xf);
         free(xb);
+        free(scratch);
         return -2;
     }
+    if (act) y = scratch;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t k = 0; k < Kp; k++) {
             if (!bf16) {
@@ -270,21 +315,30 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
             xf[m * Kp + k] = bf16_to_float(h);
         }
     }
-    gemm_args a = {xf, xb, w, bias, add, ld_add, y, ldy, M, Kp, bf16};
+    gemm_args a = {xf, xb, w, bias, add, ld_add, y, ldy, M, Kp, bf16, act, ld_act};
     int rc = run(&a, N, threads);
     free(xf);
     free(xb);
+    free(scratch);
     return rc;
 }
 
 int small_gemm(const float *x, int64_t ldx, const float *w, const float *bias, const float *add,
                int64_t ld_add, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
-    return small_gemm_any(x, ldx, w, bias, add, ld_add, y, ldy, M, N, K, threads, 0);
+    return small_gemm_any(x, ldx, w, bias, add, ld_add, y, ldy, M, N, K, threads, 0, NULL, 0);
 }
 
 int small_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, const uint16_t *add,
                     int64_t ld_add, uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
-    return small_gemm_any(x, ldx, w, bias, add, ld_add, y, ldy, M, N, K, threads, 1);
+    return small_gemm_any(x, ldx, w, bias, add, ld_add, y, ldy, M, N, K, threads, 1, NULL, 0);
+}
+
+/* act = silu(x w_gate^T + b_gate) * (x w_up^T + b_up) for a merged [gate; up] weight of N rows (fp32,
+ * or every tensor bf16 when bf16 != 0): the MLP's first half in one call, SiLU and the product done
+ * by the thread that computed each pair of rows. See small_gemm_any for the rest. */
+int small_gemm_swiglu(const void *x, int64_t ldx, const void *w, const void *bias, void *act, int64_t ld_act,
+                      int64_t M, int64_t N, int64_t K, int threads, int bf16) {
+    return small_gemm_any(x, ldx, w, bias, NULL, 0, NULL, 0, M, N, K, threads, bf16 != 0, act, ld_act);
 }
 
 /* The most rows a call should bring (small_gemm.py routes larger calls to oneDNN): on AVX2 the

@@ -43,6 +43,8 @@ def _load() -> ctypes.CDLL | None:
     for fn in (lib.small_gemm, lib.small_gemm_bf16):
         fn.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
+    lib.small_gemm_swiglu.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    lib.small_gemm_swiglu.restype = ctypes.c_int
     geometry = (lib.small_gemm_panel_rows(), lib.small_gemm_panel_k(0), lib.small_gemm_panel_k(1))
     if geometry != (PANEL_ROWS, panel_k(torch.float32), panel_k(torch.bfloat16)):
         raise RuntimeError("small_gemm.c and small_gemm.py disagree on the panel layout")
@@ -108,11 +110,15 @@ def pack_weight(weight: torch.Tensor) -> PanelWeight:
 
 
 def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None,
-                 add: torch.Tensor | None = None) -> torch.Tensor | None:
+                 add: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor | None:
     """``x @ W.T (+ bias) (+ add)`` as a new tensor of ``x``'s leading shape, or ``None`` when the
     kernel does not apply. ``weight`` is ``W`` from :func:`pack_weight`, fp32 or bf16, of ``x``'s
     dtype (as ``bias`` and ``add``). bf16 accumulates in fp32 and rounds the output, then rounds
     again after ``add``, as ``add + F.linear(x, W, bias)`` does.
+
+    ``swiglu``: ``W`` is a merged ``[gate; up]`` weight and the result is ``F.silu(gate) * up``
+    (half as wide; bf16 rounds the GEMM, the SiLU and the product, as those torch ops do), in the
+    same call; ``None`` also when half of ``W``'s rows is not a multiple of :data:`PANEL_ROWS`.
 
     Called ~60 times per decode step, so the checks are ordered for the common case (2-D rows, no
     reshape, no view): each tensor attribute costs a fraction of a microsecond, and this wrapper
@@ -126,6 +132,8 @@ def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
     if rows == 0 or rows > max_rows() or weight.in_features != k:
         return None
     n = weight.out_features
+    if swiglu and (add is not None or n % (2 * PANEL_ROWS)):
+        return None
     if torch.is_grad_enabled() and x.requires_grad:
         return None  # autograd cannot see through the kernel
     if bias is not None and (bias.shape != (n,) or bias.dtype != dtype or not bias.is_contiguous()):
@@ -143,13 +151,19 @@ def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
         add2 = add.reshape(rows, n) if add.dim() != 2 else add
         if add2.stride(1) != 1 or add2.stride(0) < n:
             add2 = add2.contiguous()
-    out = torch.empty(rows, n, dtype=dtype)
-    rc = fn(x2.data_ptr(), x2.stride(0), weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
-            None if add2 is None else add2.data_ptr(), 0 if add2 is None else add2.stride(0),
-            out.data_ptr(), n, rows, n, k, torch.get_num_threads())
+    width = n // 2 if swiglu else n
+    out = torch.empty(rows, width, dtype=dtype)
+    if swiglu:
+        rc = _swiglu_fn()(x2.data_ptr(), x2.stride(0), weight.data.data_ptr(),
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), width, rows, n, k,
+                          torch.get_num_threads(), dtype is torch.bfloat16)
+    else:
+        rc = fn(x2.data_ptr(), x2.stride(0), weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
+                None if add2 is None else add2.data_ptr(), 0 if add2 is None else add2.stride(0),
+                out.data_ptr(), n, rows, n, k, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"small_gemm rejected its arguments (rows {rows}, out {n}, in {k})")
-    return out.view(*x.shape[:-1], n) if lead else out
+    return out.view(*x.shape[:-1], width) if lead else out
 
 
 @lru_cache(maxsize=2)
@@ -157,3 +171,10 @@ def _gemm_fn(fp32: bool) -> object | None:
     """The C function for fp32 or bf16 itself (a ctypes attribute lookup per call was measurable)."""
     lib = _load()
     return None if lib is None else (lib.small_gemm if fp32 else lib.small_gemm_bf16)
+
+
+@lru_cache(maxsize=1)
+def _swiglu_fn() -> object | None:
+    """The C function of ``small_linear(..., swiglu=True)`` (fp32 and bf16 alike)."""
+    lib = _load()
+    return None if lib is None else lib.small_gemm_swiglu

@@ -42,7 +42,10 @@ def kernel_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     for fn in (lib.small_gemm, lib.small_gemm_bf16):
         fn.argtypes = small_gemm._load().small_gemm.argtypes
         fn.restype = ctypes.c_int
+    lib.small_gemm_swiglu.argtypes = small_gemm._load().small_gemm_swiglu.argtypes
+    lib.small_gemm_swiglu.restype = ctypes.c_int
     monkeypatch.setattr(small_gemm, "_gemm_fn", lambda fp32: lib.small_gemm if fp32 else lib.small_gemm_bf16)
+    monkeypatch.setattr(small_gemm, "_swiglu_fn", lambda: lib.small_gemm_swiglu)
     # Every row count computes correctly on every build; the per-build limit is a speed choice.
     monkeypatch.setattr(small_gemm, "max_rows", lambda: small_gemm.MAX_ROWS)
     return request.param
@@ -146,6 +149,43 @@ def test_bf16_within_fp32_accumulation_of_the_exact_result(rows: int, n_out: int
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n_out)
     lo, hi = _bf16_bounds(x, w, bias, add)
     assert torch.all((lo.float() <= got.float()) & (got.float() <= hi.float()))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("half,k_in", [(48, 96), (200, 130), (8, 5)])
+def test_swiglu_is_silu_of_gate_times_up(rows: int, half: int, k_in: int, kernel_variant: str) -> None:
+    """``swiglu=True`` on a merged ``[gate; up]`` weight: fp32 within float rounding of SiLU(gate) *
+    up computed in float64 from the exact GEMM; bf16 what torch's bf16 ``F.silu(gate) * up`` gives
+    on the kernel's own (rounded) GEMM output, SiLU and product each rounded, bit for bit except
+    where libm's and torch's exp differ in the last bit and that flips one rounding."""
+    g = torch.Generator().manual_seed(rows * 100 + half + k_in)
+    x, w = torch.randn(rows, k_in, generator=g), torch.randn(2 * half, k_in, generator=g) / k_in**0.5
+    bias = torch.randn(2 * half, generator=g)
+    got = small_gemm.small_linear(x, small_gemm.pack_weight(w), bias, swiglu=True)
+    assert got is not None and got.shape == (rows, half) and got.dtype == torch.float32
+    gate, up = F.linear(x.double(), w.double(), bias.double()).split(half, dim=-1)
+    torch.testing.assert_close(got, (F.silu(gate) * up).float(), atol=1e-5, rtol=1e-5)
+
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), bias.bfloat16()
+    packed = small_gemm.pack_weight(wb)
+    got = small_gemm.small_linear(xb, packed, bb, swiglu=True)
+    merged = small_gemm.small_linear(xb, packed, bb)
+    assert got is not None and merged is not None and got.dtype == torch.bfloat16
+    gate, up = merged.split(half, dim=-1)
+    expected = F.silu(gate) * up
+    differ = got != expected
+    assert differ.float().mean() <= 0.02, int(differ.sum())
+    spacing = expected.float().abs() * 2**-7 + 1e-30  # one bf16 step at most
+    assert torch.all((got.float() - expected.float()).abs() <= spacing)
+
+
+def test_swiglu_steps_aside_where_it_does_not_apply() -> None:
+    """A half that does not start a panel, or a residual add, is not fused (the caller runs the ops)."""
+    x = torch.randn(2, 16)
+    assert small_gemm.small_linear(x, small_gemm.pack_weight(torch.randn(2 * 12, 16)), swiglu=True) is None
+    w = small_gemm.pack_weight(torch.randn(2 * 16, 16))
+    assert small_gemm.small_linear(x, w, add=torch.randn(2, 32), swiglu=True) is None
+    assert small_gemm.small_linear(x, w, swiglu=True).shape == (2, 16)
 
 
 def test_steps_aside_where_it_does_not_apply() -> None:
