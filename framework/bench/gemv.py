@@ -95,17 +95,18 @@ def run_gemv(engine: Any, rows_list: list[int], rounds: int, inner: int) -> dict
         raise SystemExit("bench gemv: the model has no small-GEMM layers (set device.cpu_small_gemm=kernel; "
                          "it needs oneDNN-packed fp32, or bf16 on a CPU with native bf16)")
     nbytes = sum(w.out_features * w.in_features for w, _, _ in layers) * layers[0][0].data.element_size()
+    dtype = layers[0][0].dtype
     results = []
     for rows in rows_list:
         t = time_chains(layers, rows, rounds, inner)
-        results.append({"rows": rows, "engine_uses": "kernel" if rows <= small_gemm.max_rows() else "onednn",
+        results.append({"rows": rows, "engine_uses": "kernel" if rows <= small_gemm.max_rows(dtype) else "onednn",
                         # Significant digits, not decimals: a tiny model's chain takes microseconds.
                         "kernel_ms": significant(t["kernel"] * 1e3), "onednn_ms": significant(t["onednn"] * 1e3),
                         "kernel_gb_s": round(nbytes / t["kernel"] / 1e9, 2),
                         "onednn_gb_s": round(nbytes / t["onednn"] / 1e9, 2),
                         "kernel_speedup": significant(t["onednn"] / t["kernel"])})
-    return {"dtype": str(layers[0][0].dtype).removeprefix("torch."), "layers": len(layers),
-            "weight_bytes": nbytes, "kernel_max_rows": small_gemm.max_rows(), "rounds": rounds, "inner": inner,
+    return {"dtype": str(dtype).removeprefix("torch."), "layers": len(layers),
+            "weight_bytes": nbytes, "kernel_max_rows": small_gemm.max_rows(dtype), "rounds": rounds, "inner": inner,
             "results": results}
 
 

@@ -44,10 +44,15 @@
 #define PANEL_K_BF16 32
 #if defined(__AVX512F__)
 #define ROWS_W 8      /* weight rows per block at several input rows: a whole panel, read in order */
+#define ROWS_X 4      /* input rows per block: 8 x 4 accumulators, all 32 AVX-512 registers (the
+                       * weights come as FMA memory operands). Fewer passes over each panel beat
+                       * fitting the registers: against 8 x 3 blocks, 17.0 vs 20.0 ms at 4 rows (fp32,
+                       * llama-120m's GEMVs, Zen 4 host, alternating), 15.8 vs 16.4 at 3, 9.3 vs 10.3 in
+                       * bf16 at 4; 8 x 6 and 8 x 8 blocks were slower at 4-8 rows than 8 x 4. */
 #else
 #define ROWS_W 4      /* half a panel: 4 x 3 accumulators + loads fit AVX2's 16 registers */
+#define ROWS_X 3      /* input rows per block */
 #endif
-#define ROWS_X 3      /* input rows per block (8 x 3 accumulators + loads fit AVX-512's 32 registers) */
 #define CHUNK_ROWS 64 /* output rows per unit of work a thread takes (a multiple of PANEL_ROWS) */
 
 typedef struct {
@@ -341,14 +346,16 @@ int small_gemm_swiglu(const void *x, int64_t ldx, const void *w, const void *bia
     return small_gemm_any(x, ldx, w, bias, NULL, 0, NULL, 0, M, N, K, threads, bf16 != 0, act, ld_act);
 }
 
-/* The most rows a call should bring (small_gemm.py routes larger calls to oneDNN): on AVX2 the
- * kernel beat oneDNN's GEMV up to 8 rows; on the Zen 4 host (AVX-512) oneDNN's blocked GEMM was
- * faster from 4 rows (20.5 vs 23.8 GB/s of weights at 4 rows, 16.8 vs 24.1 at 8) while the kernel
- * led at 1-3 rows (fp32 1.2-1.3x, bf16 1.1-1.4x). Any row count computes correctly. */
-int small_gemm_max_rows(void) {
+/* The most rows a call should bring (small_gemm.py routes larger calls to oneDNN), for fp32 or
+ * (bf16 != 0) bf16 weights. On AVX2 the kernel beat oneDNN's GEMV up to 8 rows. On the Zen 4 host
+ * (AVX-512, 8 x 4 blocks) it led in fp32 up to 4 rows (1.46 / 1.30 / 1.14x at 1 / 3 / 4) and
+ * lost from 6 (0.81x), and in bf16 led up to 8 (1.66 / 1.47 / 1.09x at 1 / 4 / 8): bf16 streams
+ * half the bytes for the same arithmetic as oneDNN's bf16 GEMM. Any row count computes correctly. */
+int small_gemm_max_rows(int bf16) {
 #if defined(__AVX512F__) && !defined(SMALL_GEMM_NO_VECTOR)
-    return 3;
+    return bf16 ? 8 : 4;
 #else
+    (void)bf16;
     return 8;
 #endif
 }

@@ -5,9 +5,9 @@ with it, so its speed is the rate the cores stream the weight at. The C kernel w
 of the weight (:func:`pack_weight`: panels of 8 rows, one sequential stream each) in contiguous
 per-thread slices. On this project's 2-core AVX2 host it streamed the ``llama-120m`` weights at
 ~20.5 GB/s at one row where oneDNN's packed GEMV streamed ~19, and was 1.4x / 1.1x / 1.2x faster
-at 2 / 4 / 8 rows; on the Zen 4 host (AVX-512, AVX512-BF16) 1.1x (fp32) and 1.3x (bf16) faster at
-one row and faster up to 3 rows, oneDNN's blocked GEMM winning from 4 (docs/benchmarks.md), hence
-the per-build limit.
+at 2 / 4 / 8 rows; on the Zen 4 host (AVX-512, AVX512-BF16) 1.5x (fp32) and 1.7x (bf16) faster at
+one row, faster up to 4 rows in fp32 and up to 8 in bf16, oneDNN's blocked GEMM winning above
+(docs/benchmarks.md), hence the per-build, per-dtype limit.
 
 :func:`small_linear` returns ``None`` when the kernel does not apply (not fp32 or bf16 CPU tensors,
 too many rows, autograd on, no C compiler) and the caller runs its usual GEMM.
@@ -45,6 +45,8 @@ def _load() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
     lib.small_gemm_swiglu.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.small_gemm_swiglu.restype = ctypes.c_int
+    lib.small_gemm_max_rows.argtypes = [ctypes.c_int]
+    lib.small_gemm_max_rows.restype = ctypes.c_int
     geometry = (lib.small_gemm_panel_rows(), lib.small_gemm_panel_k(0), lib.small_gemm_panel_k(1))
     if geometry != (PANEL_ROWS, panel_k(torch.float32), panel_k(torch.bfloat16)):
         raise RuntimeError("small_gemm.c and small_gemm.py disagree on the panel layout")
@@ -56,12 +58,13 @@ def kernel_available() -> bool:
     return _load() is not None
 
 
-@lru_cache(maxsize=1)
-def max_rows() -> int:
-    """The most rows :func:`small_linear` takes here (``small_gemm_max_rows`` of this CPU's build:
-    8 with AVX2, 3 with AVX-512); 0 when the kernel is unavailable."""
+@lru_cache(maxsize=2)
+def max_rows(dtype: torch.dtype = torch.float32) -> int:
+    """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
+    of this CPU's build: 8 with AVX2; with AVX-512 4 in fp32 and 8 in bf16); 0 when the kernel is
+    unavailable."""
     lib = _load()
-    return 0 if lib is None else min(MAX_ROWS, int(lib.small_gemm_max_rows()))
+    return 0 if lib is None else min(MAX_ROWS, int(lib.small_gemm_max_rows(int(dtype == torch.bfloat16))))
 
 
 #: Rows per panel of the kernel's weight layout (``small_gemm.c``); columns per panel piece: one
@@ -129,7 +132,7 @@ def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
     lead = x.dim() != 2
     k = x.shape[-1] if x.dim() else 0
     rows = (x.numel() // k if k else 0) if lead else x.shape[0]
-    if rows == 0 or rows > max_rows() or weight.in_features != k:
+    if rows == 0 or rows > max_rows(dtype) or weight.in_features != k:
         return None
     n = weight.out_features
     if swiglu and (add is not None or n % (2 * PANEL_ROWS)):

@@ -47,7 +47,7 @@ def kernel_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(small_gemm, "_gemm_fn", lambda fp32: lib.small_gemm if fp32 else lib.small_gemm_bf16)
     monkeypatch.setattr(small_gemm, "_swiglu_fn", lambda: lib.small_gemm_swiglu)
     # Every row count computes correctly on every build; the per-build limit is a speed choice.
-    monkeypatch.setattr(small_gemm, "max_rows", lambda: small_gemm.MAX_ROWS)
+    monkeypatch.setattr(small_gemm, "max_rows", lambda dtype=torch.float32: small_gemm.MAX_ROWS)
     return request.param
 
 
@@ -188,6 +188,22 @@ def test_swiglu_steps_aside_where_it_does_not_apply() -> None:
     assert small_gemm.small_linear(x, w, swiglu=True).shape == (2, 16)
 
 
+def test_row_limit_per_dtype() -> None:
+    """The build's row limits: 8 on AVX2 (or plain C), and with AVX-512 4 in fp32 and 8 in bf16
+    (bf16 streams half the bytes for the same arithmetic, so it stays ahead of oneDNN longer)."""
+    fp32, bf16 = small_gemm.max_rows(torch.float32), small_gemm.max_rows(torch.bfloat16)
+    assert (fp32, bf16) == ((4, 8) if "avx512f" in _cpu_flags() else (8, 8))
+
+
+def _cpu_flags() -> set[str]:
+    from pathlib import Path
+
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        return set()
+
+
 def test_steps_aside_where_it_does_not_apply() -> None:
     w = torch.randn(16, 8)
     assert _linear(torch.randn(small_gemm.max_rows() + 1, 8), w) is None
@@ -221,8 +237,8 @@ def test_panel_layout_round_trips(dtype: torch.dtype, n_out: int, k_in: int) -> 
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 40])
 def test_packed_layers_use_it_up_to_its_row_limit(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``small_gemm`` the packed layers send calls of up to ``max_rows()`` rows (8 on AVX2, 3 on
-    AVX-512) to the kernel (counted) and the rest to oneDNN, and both agree with F.linear; the SwiGLU path with SiLU * up."""
+    """With ``small_gemm`` the packed layers send calls of up to ``max_rows()`` rows (8 on AVX2, 4 on
+    AVX-512 in fp32) to the kernel (counted) and the rest to oneDNN, and both agree with F.linear; the SwiGLU path with SiLU * up."""
     calls = []
     real = small_gemm.small_linear
 
