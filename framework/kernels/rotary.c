@@ -19,22 +19,64 @@
 
 #include "cpu_float.h"
 
-static inline void rotate_heads(const float *x, float *out, int64_t heads, int64_t d, int64_t rot,
-                                const float *c, const float *s) {
-    const int64_t half = rot / 2;
+/* Element i of x (fp32, or bf16 bits), as a float; and a float rounded as the type stores it. */
+static inline float load_elem(const void *x, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static inline float rounded(float x, int bf16) { return bf16 ? bf16_to_float(float_to_bf16(x)) : x; }
+
+/* `heads` heads of d elements from x into out. In bf16 each product and the sum are rounded to bf16,
+ * as three torch ops round (a product of two bf16 values is exact in float, so once). bf16 is a
+ * literal at every call, so each type gets its own inlined loop. */
+static inline __attribute__((always_inline)) void rotate_heads(const void *x, void *out, int64_t heads, int64_t d,
+                                                               int64_t rot, const void *c, const void *s, int bf16) {
+    const int64_t half = rot / 2, elem = bf16 ? 2 : 4;
     for (int64_t h = 0; h < heads; ++h) {
-        const float *xh = x + h * d;
-        float *oh = out + h * d;
-        for (int64_t i = 0; i < half; ++i) {
-            const float a = xh[i] * c[i], b = -xh[i + half] * s[i];
-            oh[i] = a + b;
+        const char *xh = (const char *)x + h * d * elem;
+        char *oh = (char *)out + h * d * elem;
+        for (int64_t i = 0; i < rot; ++i) {
+            const float other = i < half ? -load_elem(xh, i + half, bf16) : load_elem(xh, i - half, bf16);
+            const float a = rounded(load_elem(xh, i, bf16) * load_elem(c, i, bf16), bf16);
+            const float b = rounded(other * load_elem(s, i, bf16), bf16);
+            if (bf16) ((uint16_t *)oh)[i] = float_to_bf16(a + b);
+            else ((float *)oh)[i] = a + b;
         }
-        for (int64_t i = half; i < rot; ++i) {
-            const float a = xh[i] * c[i], b = xh[i - half] * s[i];
-            oh[i] = a + b;
-        }
-        if (rot < d) memcpy(oh + rot, xh + rot, sizeof(float) * (size_t)(d - rot));
+        if (rot < d) memcpy(oh + rot * elem, xh + rot * elem, (size_t)((d - rot) * elem));
     }
+}
+
+/* Token t of q, k, v (fp32, or bf16 bits when bf16 != 0): both rotated, v copied. Pointers are to
+ * the first element; strides and widths in elements. */
+static void rotary_token(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                         int64_t v_stride, const void *cos, const void *sin, int64_t cs_stride, void *q_out,
+                         void *k_out, void *v_out, int64_t t, int64_t q_heads, int64_t kv_heads, int64_t d,
+                         int64_t rot, int bf16) {
+    const int64_t qw = q_heads * d, kw = kv_heads * d, e = bf16 ? 2 : 4;
+    const char *c = (const char *)cos + t * cs_stride * e, *s = (const char *)sin + t * cs_stride * e;
+    const char *qt = (const char *)q + t * q_stride * e, *kt = (const char *)k + t * k_stride * e;
+    char *qo = (char *)q_out + t * qw * e, *ko = (char *)k_out + t * kw * e;
+    if (bf16) {
+        rotate_heads(qt, qo, q_heads, d, rot, c, s, 1);
+        rotate_heads(kt, ko, kv_heads, d, rot, c, s, 1);
+    } else {
+        rotate_heads(qt, qo, q_heads, d, rot, c, s, 0);
+        rotate_heads(kt, ko, kv_heads, d, rot, c, s, 0);
+    }
+    if (v) memcpy((char *)v_out + t * kw * e, (const char *)v + t * v_stride * e, (size_t)(kw * e));
+}
+
+static int rotary_qkv_any(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                          int64_t v_stride, const void *cos, const void *sin, int64_t cs_stride, void *q_out,
+                          void *k_out, void *v_out, int64_t n, int64_t q_heads, int64_t kv_heads, int64_t d,
+                          int64_t rot, int64_t num_threads, int bf16) {
+    if (rot % 2 || rot > d || rot < 0) return 1;
+    /* Parallel only when there are enough tokens to pay for the fork/join (prefill chunks). */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 32 && num_threads > 1)
+    for (int64_t t = 0; t < n; ++t)
+        rotary_token(q, q_stride, k, k_stride, v, v_stride, cos, sin, cs_stride, q_out, k_out, v_out, t, q_heads,
+                     kv_heads, d, rot, bf16);
+    return 0;
 }
 
 /* v may be NULL (then v_out is not written). Returns 0, or 1 when rot is odd or larger than d. */
@@ -42,34 +84,8 @@ int rotary_qkv_f32(const float *q, int64_t q_stride, const float *k, int64_t k_s
                    int64_t v_stride, const float *cos, const float *sin, int64_t cs_stride, float *q_out,
                    float *k_out, float *v_out, int64_t n, int64_t q_heads, int64_t kv_heads, int64_t d, int64_t rot,
                    int64_t num_threads) {
-    if (rot % 2 || rot > d || rot < 0) return 1;
-    const int64_t qw = q_heads * d, kw = kv_heads * d;
-    /* Parallel only when there are enough tokens to pay for the fork/join (prefill chunks). */
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 32 && num_threads > 1)
-    for (int64_t t = 0; t < n; ++t) {
-        const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
-        rotate_heads(q + t * q_stride, q_out + t * qw, q_heads, d, rot, c, s);
-        rotate_heads(k + t * k_stride, k_out + t * kw, kv_heads, d, rot, c, s);
-        if (v) memcpy(v_out + t * kw, v + t * v_stride, sizeof(float) * (size_t)kw);
-    }
-    return 0;
-}
-
-/* The bf16 form of rotate_heads: every product and the sum rounded to bf16, as three torch ops. */
-static inline void rotate_heads_bf16(const uint16_t *x, uint16_t *out, int64_t heads, int64_t d, int64_t rot,
-                                     const uint16_t *c, const uint16_t *s) {
-    const int64_t half = rot / 2;
-    for (int64_t h = 0; h < heads; ++h) {
-        const uint16_t *xh = x + h * d;
-        uint16_t *oh = out + h * d;
-        for (int64_t i = 0; i < rot; ++i) {
-            const float other = i < half ? -bf16_to_float(xh[i + half]) : bf16_to_float(xh[i - half]);
-            const float a = bf16_to_float(float_to_bf16(bf16_to_float(xh[i]) * bf16_to_float(c[i])));
-            const float b = bf16_to_float(float_to_bf16(other * bf16_to_float(s[i])));
-            oh[i] = float_to_bf16(a + b);
-        }
-        if (rot < d) memcpy(oh + rot, xh + rot, sizeof(uint16_t) * (size_t)(d - rot));
-    }
+    return rotary_qkv_any(q, q_stride, k, k_stride, v, v_stride, cos, sin, cs_stride, q_out, k_out, v_out, n, q_heads,
+                          kv_heads, d, rot, num_threads, 0);
 }
 
 /* rotary_qkv_f32 for bf16 q, k, v, cos and sin (uint16_t bits). */
@@ -77,14 +93,6 @@ int rotary_qkv_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
                     int64_t v_stride, const uint16_t *cos, const uint16_t *sin, int64_t cs_stride, uint16_t *q_out,
                     uint16_t *k_out, uint16_t *v_out, int64_t n, int64_t q_heads, int64_t kv_heads, int64_t d,
                     int64_t rot, int64_t num_threads) {
-    if (rot % 2 || rot > d || rot < 0) return 1;
-    const int64_t qw = q_heads * d, kw = kv_heads * d;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 32 && num_threads > 1)
-    for (int64_t t = 0; t < n; ++t) {
-        const uint16_t *c = cos + t * cs_stride, *s = sin + t * cs_stride;
-        rotate_heads_bf16(q + t * q_stride, q_out + t * qw, q_heads, d, rot, c, s);
-        rotate_heads_bf16(k + t * k_stride, k_out + t * kw, kv_heads, d, rot, c, s);
-        if (v) memcpy(v_out + t * kw, v + t * v_stride, sizeof(uint16_t) * (size_t)kw);
-    }
-    return 0;
+    return rotary_qkv_any(q, q_stride, k, k_stride, v, v_stride, cos, sin, cs_stride, q_out, k_out, v_out, n, q_heads,
+                          kv_heads, d, rot, num_threads, 1);
 }
