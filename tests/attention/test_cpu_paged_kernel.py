@@ -55,6 +55,25 @@ def test_kernel_matches_sdpa(bs: int, heads: int, kv_heads: int, head_dim: int, 
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), (out - ref).abs().max()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_query_is_the_fp32_query_rounded(kv_dtype: torch.dtype, threads: int) -> None:
+    """A bf16 query and output (a bf16 model's) give bit for bit what widening the query with
+    ``.float()``, running the fp32 kernel and rounding the output with ``.bfloat16()`` gives, and
+    SDPA's result to bf16 rounding."""
+    q, k, v, table, rows, lens = _case(5, 8, 2, 64, seed=11)
+    k, v, qb = k.to(kv_dtype), v.to(kv_dtype), q.bfloat16()
+    out = torch.full_like(qb, float("nan"))
+    paged_decode_attention(qb, k, v, out, table, rows, lens, 0.125, threads)
+    out32 = torch.empty_like(q)
+    paged_decode_attention(qb.float(), k, v, out32, table, rows, lens, 0.125, threads)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, out32.bfloat16())
+    ref = _reference(qb.float(), k.float(), v.float(), table, rows, lens, 0.125)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="out"):
+        paged_decode_attention(qb, k, v, out32, table, rows, lens, 0.125, threads)  # q and out must match
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_spans_of_a_long_request_merge_like_one_softmax(kv_dtype: torch.dtype) -> None:
     """Small batches on several threads cut each request into token spans and merge them. Peaked

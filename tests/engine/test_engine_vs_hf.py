@@ -177,8 +177,9 @@ def test_bf16_kv_cache_kernel_equals_sdpa_path(cases, make_engine, arch):
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_head_dim"])
 def test_bf16_model_runs_on_the_kernels(cases, make_engine, arch):
-    """A bf16 model on cpu_paged: decode and extend both go through the C kernels (queries widened
-    to fp32, the bf16 cache read as it is), not the gather + SDPA fallback. Its greedy tokens are
+    """A bf16 model on cpu_paged: decode and extend both go through the C kernels (decode takes the
+    bf16 query as it is and widens it inside, extend's is widened to fp32 before; the bf16 cache read
+    as it is), not the gather + SDPA fallback. Its greedy tokens are
     checked teacher-forced against transformers in bf16: each is transformers' argmax or within two
     bf16 spacings of its largest logit (transformers' logits are bf16: at |logit| 8-16 neighbours
     are 0.0625 apart, so two bf16 paths that round at different points may break a near-tie of this
@@ -203,7 +204,8 @@ def test_bf16_model_runs_on_the_kernels(cases, make_engine, arch):
         for fn, impl in real.items():
             setattr(kernel_mod, fn, impl)
     assert {c[0] for c in calls} == set(real)
-    assert {c[1:] for c in calls} == {(torch.float32, torch.bfloat16)}
+    assert set(calls) == {("paged_decode_attention", torch.bfloat16, torch.bfloat16),
+                          ("paged_extend_attention", torch.float32, torch.bfloat16)}
     hf = getattr(transformers, ARCHS[arch][0]).from_pretrained(path, dtype=torch.bfloat16).eval()
     argmax = 0
     with torch.inference_mode():

@@ -194,9 +194,12 @@ class CpuPagedAttnBackend(AttentionBackend):
             if new_kv is None:  # a pool with its own store, or K/V the kernel cannot take as they are
                 k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
         bs = q.shape[0]
-        out = torch.empty(bs, layer.num_heads, layer.head_dim, dtype=torch.float32)
+        # A bf16 query goes in as it is (the kernel widens it and rounds the output back); fp16 is
+        # widened here.
+        q_in = (q.reshape(bs, layer.num_heads, layer.head_dim).contiguous() if q.dtype == torch.bfloat16
+                else _fp32(q, bs, layer))
+        out = torch.empty(bs, layer.num_heads, layer.head_dim, dtype=q_in.dtype)
         work = meta.total_tokens * layer.num_kv_heads * layer.head_dim
         threads = 1 if work < self.single_thread_below else self.num_threads
-        paged_decode_attention(_fp32(q, bs, layer), k_cache, v_cache, out, table, meta.rows, meta.lens, layer.scaling,
-                               threads, new_kv)
+        paged_decode_attention(q_in, k_cache, v_cache, out, table, meta.rows, meta.lens, layer.scaling, threads, new_kv)
         return out.view(bs, layer.num_heads * layer.head_dim).to(q.dtype)

@@ -249,11 +249,11 @@ static void store_new_rows(void *k, void *v, const void *k_new, const void *v_ne
  * first (see store_new_rows).
  * Returns 0 on success, 3 for a slot in loc outside [0, num_slots) (nothing written), other
  * non-zero values when memory or a thread could not be had. */
-int paged_decode_attention(const float *q, void *k, void *v, float *out, const int32_t *table,
-                           int64_t table_stride, const int64_t *rows, const int64_t *lens, int64_t bs,
-                           int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t num_threads,
-                           int64_t kv_bf16, const void *k_new, const void *v_new, const int64_t *loc,
-                           int64_t num_slots, int64_t new_bf16) {
+static int decode_fp32_query(const float *q, void *k, void *v, float *out, const int32_t *table,
+                             int64_t table_stride, const int64_t *rows, const int64_t *lens, int64_t bs,
+                             int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t num_threads,
+                             int64_t kv_bf16, const void *k_new, const void *v_new, const int64_t *loc,
+                             int64_t num_slots, int64_t new_bf16) {
     void *(*run)(void *) = kv_bf16 ? run_units_bf16 : run_units_f32;
     if (bs <= 0) return 0;
     if (kv_heads <= 0 || num_heads % kv_heads != 0) return 2;
@@ -327,6 +327,30 @@ int paged_decode_attention(const float *q, void *k, void *v, float *out, const i
     if (status == 0 && parts > 0) merge_spans(&jobs[0], units, n_units);
     free(partial.o);
     free(units);
+    return status;
+}
+
+/* q and out are [bs, num_heads, head_dim]: float32, or bfloat16 bits when q_bf16 is non-zero (a bf16
+ * model's query, widened here exactly and the output rounded to nearest even, what torch's .to()
+ * does both ways, without the two tensor conversions a layer). The rest as decode_fp32_query. */
+int paged_decode_attention(const void *q, void *k, void *v, void *out, const int32_t *table,
+                           int64_t table_stride, const int64_t *rows, const int64_t *lens, int64_t bs,
+                           int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t num_threads,
+                           int64_t kv_bf16, const void *k_new, const void *v_new, const int64_t *loc,
+                           int64_t num_slots, int64_t new_bf16, int64_t q_bf16) {
+    if (!q_bf16)
+        return decode_fp32_query(q, k, v, out, table, table_stride, rows, lens, bs, num_heads, kv_heads, head_dim,
+                                 scale, num_threads, kv_bf16, k_new, v_new, loc, num_slots, new_bf16);
+    const int64_t n = bs > 0 ? bs * num_heads * head_dim : 0;
+    float *qf = (float *)malloc(sizeof(float) * (size_t)(2 * n + 1));
+    if (!qf) return 1;
+    float *of = qf + n;
+    for (int64_t i = 0; i < n; ++i) qf[i] = bf16_to_float(((const uint16_t *)q)[i]);
+    const int status = decode_fp32_query(qf, k, v, of, table, table_stride, rows, lens, bs, num_heads, kv_heads,
+                                         head_dim, scale, num_threads, kv_bf16, k_new, v_new, loc, num_slots, new_bf16);
+    if (status == 0)
+        for (int64_t i = 0; i < n; ++i) ((uint16_t *)out)[i] = float_to_bf16(of[i]);
+    free(qf);
     return status;
 }
 

@@ -36,7 +36,7 @@ def load_kernel() -> ctypes.CDLL:
     lib = build_and_load(SOURCE, "cpu_paged_decode", CFLAGS)
     fn = lib.paged_decode_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64, p, p, p, i64, i64]
+    fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64, p, p, p, i64, i64, i64]
     fn.restype = ctypes.c_int
     lib.paged_decode_uses_openmp.argtypes = []
     lib.paged_decode_uses_openmp.restype = ctypes.c_int
@@ -77,7 +77,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write softmax(q k^T * scale) v of each request's first ``lens[b]`` tokens into ``out``.
 
-    ``q``/``out`` ``[bs, heads, head_dim]`` fp32; ``k_cache``/``v_cache`` ``[slots, kv_heads,
+    ``q``/``out`` ``[bs, heads, head_dim]``, both fp32 or both bf16 (a bf16 query is widened in the
+    kernel and the output rounded back, as ``.to()`` does); ``k_cache``/``v_cache`` ``[slots, kv_heads,
     head_dim]``, both fp32 or both bf16 (read widened to fp32); ``req_to_token`` ``[rows, stride]``
     int32; ``rows``/``lens`` ``[bs]`` int64. ``new_kv``, when given, is ``(k, v, loc)``: this step's
     K and V (both fp32 or both bf16, ``bs x kv_heads x head_dim`` elements each) stored at slots
@@ -86,8 +87,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     contiguous on the CPU (checked: a wrong layout would read garbage).
     """
     kv_dtype = k_cache.dtype if k_cache.dtype in KV_DTYPES else torch.float32
-    _check((("q", q, torch.float32), ("k_cache", k_cache, kv_dtype), ("v_cache", v_cache, kv_dtype),
-            ("out", out, torch.float32), ("req_to_token", req_to_token, torch.int32), ("rows", rows, torch.int64),
+    q_dtype = q.dtype if q.dtype in KV_DTYPES else torch.float32
+    _check((("q", q, q_dtype), ("k_cache", k_cache, kv_dtype), ("v_cache", v_cache, kv_dtype),
+            ("out", out, q_dtype), ("req_to_token", req_to_token, torch.int32), ("rows", rows, torch.int64),
             ("lens", lens, torch.int64)))
     bs, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -104,7 +106,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         float(scale), num_threads, int(kv_dtype == torch.bfloat16),
         None if k_new is None else k_new.data_ptr(), None if v_new is None else v_new.data_ptr(),
         None if loc is None else loc.data_ptr(), k_cache.shape[0],
-        int(k_new is not None and k_new.dtype == torch.bfloat16),
+        int(k_new is not None and k_new.dtype == torch.bfloat16), int(q_dtype == torch.bfloat16),
     )
     if status == 3:
         raise IndexError(f"new_kv: a slot in loc is outside the cache's {k_cache.shape[0]} slots")
@@ -124,8 +126,9 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bf16 ``[slots, kv_heads, head_dim]``, ``rows``/``prefix_lens``/``q_lens`` ``[bs]`` int64.
     """
     kv_dtype = k_cache.dtype if k_cache.dtype in KV_DTYPES else torch.float32
-    _check((("q", q, torch.float32), ("k_cache", k_cache, kv_dtype), ("v_cache", v_cache, kv_dtype),
-            ("out", out, torch.float32), ("req_to_token", req_to_token, torch.int32), ("rows", rows, torch.int64),
+    q_dtype = q.dtype if q.dtype in KV_DTYPES else torch.float32
+    _check((("q", q, q_dtype), ("k_cache", k_cache, kv_dtype), ("v_cache", v_cache, kv_dtype),
+            ("out", out, q_dtype), ("req_to_token", req_to_token, torch.int32), ("rows", rows, torch.int64),
             ("prefix_lens", prefix_lens, torch.int64), ("q_lens", q_lens, torch.int64)))
     tokens, num_heads, head_dim = q.shape
     if int(q_lens.sum()) != tokens or out.shape != q.shape:
