@@ -131,6 +131,9 @@ static void block_scalar(const gemm_args *a, int64_t n0, int64_t nw, int64_t m0,
 #define PREFETCH_BYTES 4096
 #endif
 #define PREFETCH_LINE(ptr) _mm_prefetch((const char *)(ptr), _MM_HINT_T1)
+/* The line LOAD_W(a, p, i, k) reads, for the weight type of the block being instantiated. */
+#define PREFETCH_W(a, p, i, k) \
+    PREFETCH_LINE(W_ELEM_BYTES == 4 ? (const void *)W_F32(a, p, i, k) : (const void *)W_BF16(a, p, i, k))
 #if defined(SMALL_GEMM_VECTOR) && defined(__AVX512F__)
 #define VEC __m512
 #define XVEC __m512
@@ -142,13 +145,10 @@ static void block_scalar(const gemm_args *a, int64_t n0, int64_t nw, int64_t m0,
 #define HSUM(v) _mm512_reduce_add_ps(v)
 #define SUFFIX f32
 #define LOAD_W(a, p, i, k) _mm512_loadu_ps(W_F32(a, p, i, k))
-#define PREFETCH_W(a, p, i, k) PREFETCH_LINE(W_F32(a, p, i, k))
 #define W_ELEM_BYTES 4
 #include "small_gemm_blocks.h"
 #undef SUFFIX
 #undef LOAD_W
-#undef PREFETCH_W
-#define PREFETCH_W(a, p, i, k) PREFETCH_LINE(W_BF16(a, p, i, k))
 #undef W_ELEM_BYTES
 #define W_ELEM_BYTES 2
 #if defined(__AVX512BF16__)
@@ -186,13 +186,10 @@ static inline float hsum8(__m256 v) {
 #define HSUM(v) hsum8(v)
 #define SUFFIX f32
 #define LOAD_W(a, p, i, k) _mm256_loadu_ps(W_F32(a, p, i, k))
-#define PREFETCH_W(a, p, i, k) PREFETCH_LINE(W_F32(a, p, i, k))
 #define W_ELEM_BYTES 4
 #include "small_gemm_blocks.h"
 #undef SUFFIX
 #undef LOAD_W
-#undef PREFETCH_W
-#define PREFETCH_W(a, p, i, k) PREFETCH_LINE(W_BF16(a, p, i, k))
 #undef W_ELEM_BYTES
 #define W_ELEM_BYTES 2
 /* Eight bf16 weights widened to fp32: zero-extend to 32 bits, shift into the high half (exact). */
