@@ -1,34 +1,44 @@
 /* Small-batch linear layers on CPU: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) (+ add[m, n]),
- * for fp32 models and for bf16 ones.
+ * for fp32 models and for bf16 ones, at a decode step's 1 to a few dozen rows.
  *
- * Why a kernel of our own: at a decode step's few rows a linear layer is a matrix-vector product
- * that reads every weight once, so it is bound by how fast the cores stream the weights. oneDNN's
- * GEMV streamed 3-6 GB/s per core on this project's 2-core hosts where a plain read streams 9-15,
- * which made single-stream decode 30-44% of the memory bound. Here each thread walks its own
- * contiguous slice of the weights front to back (what the hardware prefetcher follows best), a
- * block of rows at a time that stays in L1 while every input row is multiplied by it, so each
- * weight byte comes from DRAM once per call whatever the row count.
+ * Why a kernel of our own: at a few rows a linear layer reads every weight once and does little
+ * arithmetic with it, so it is bound by how fast the cores stream the weights, and up to ~24 rows
+ * (fp32) its arithmetic still fits under that stream. oneDNN's GEMV streamed 3-6 GB/s per core on
+ * this project's 2-core hosts where a plain read streams 9-20, and its blocked GEMM at 8-16 rows
+ * neither streams at the memory's rate nor computes at the FMA units' (docs/benchmarks.md). Here
+ * each thread walks its own panels of the weights front to back (what the prefetchers follow
+ * best), so each weight byte comes from DRAM once per call whatever the row count.
  *
- * Layout: the weights are a copy of the nn.Linear weight in panels of PANEL_ROWS rows: within a
- * panel, one cache line's worth of columns of row 0 (a piece: 16 fp32, 32 bf16), the same columns
- * of rows 1..7, then the next piece, so the one-row path reads one sequential stream instead of 8
- * row streams of K each (bf16 rows of 768 are only 24 cache lines): the llama-120m GEMVs went
- * from 21.4 to 26.9 GB/s in bf16 and from 27.6 to 30.6 in fp32 on the Zen 4 host. Rows and columns
- * are zero-padded to whole panels, and the input to whole pieces, so no block has a tail.
- * Accumulation is in fp32 lanes then summed across, so results differ from torch's GEMMs by fp32
- * rounding (~1e-6 relative).
+ * Layout (column panels): the weight is copied into panels of PANEL_COLS output columns (rows of
+ * the nn.Linear weight). Within a panel, for each k, the PANEL_COLS weights w[n0..n0+32, k] are
+ * contiguous (fp32: 128 bytes, two cache lines); bf16 keeps k in pairs, each output's (k, k+1)
+ * next to each other (the operand layout of AVX512-BF16's pair dot product), 128 bytes per pair
+ * of k. A panel is one sequential stream of K x 128 bytes. Rows are zero-padded to whole panels and
+ * K to a multiple of K_ALIGN, so no tile has a tail.
  *
- * bf16 (small_gemm_bf16): weights, input, bias, add and output are bf16. Every product and sum is
- * fp32, as oneDNN's bf16 GEMM accumulates (AVX512-BF16's pair dot product where the CPU has it,
- * else each weight widened as it streams in: a shift, exact); only the output is rounded. Half the
- * bytes of fp32 per weight, and a GEMV is bound by bytes.
+ * Tiles: a panel times up to MR_MAX input rows, as a GEMM micro-kernel: each k loads the panel's
+ * 32 weights into vectors once and, for each input row, broadcasts x[m, k] and does one FMA per
+ * vector into that row's accumulators (MR_MAX x 2 AVX-512 registers). So the weights are read from
+ * memory once per tile and the FMAs need no horizontal sums. Against the previous layout (8-row
+ * panels of one cache line per row piece, dot products summed across lanes at the end), on the
+ * Zen 4 host, llama-120m's 49 decode GEMVs, same process, alternating: fp32 1 row 11.3 vs 11.6
+ * ms, 8 rows 13.1 vs 19.5 (oneDNN 17.4), 16 rows 20.6 vs 28.8 (oneDNN 23.1); bf16 8 rows 7.6 vs
+ * 10.9 (oneDNN 10.5), 16 rows 11.5 vs 16.6 (oneDNN 13.1). More rows than MR_MAX are split into
+ * equal blocks that re-read the panel from L2.
  *
- * Threads: OpenMP (torch's own runtime inside torch's process), output rows in chunks that the
- * threads take in turn.
+ * Accumulation: fp32 lanes, one FMA per k per output (bf16: one pair dot product per two k), so
+ * results differ from torch's GEMMs by fp32 rounding (~1e-6 relative). bf16 (small_gemm_bf16):
+ * weights, input, bias, add and output are bf16; every product and sum is fp32, as oneDNN's bf16
+ * GEMM accumulates (each weight widened by a shift where the CPU has no AVX512-BF16: exact); only
+ * the output is rounded.
+ *
+ * Threads: OpenMP (torch's own runtime inside torch's process), panels in chunks that the threads
+ * take in turn.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -38,38 +48,35 @@
 
 #include "cpu_float.h"
 
-#define PANEL_ROWS 8  /* weight rows per panel, and per block when x is one row: 8 accumulators + 1 input
-                       * + 1 load register fit AVX2's 16 */
-#define PANEL_K_F32 16   /* columns per panel piece: one 64-byte cache line of a row */
-#define PANEL_K_BF16 32
-#if defined(__AVX512F__)
-#define ROWS_W 8      /* weight rows per block at several input rows: a whole panel, read in order */
-#define ROWS_X 4      /* input rows per block: 8 x 4 accumulators, all 32 AVX-512 registers (the
-                       * weights come as FMA memory operands). Fewer passes over each panel beat
-                       * fitting the registers: against 8 x 3 blocks, 17.0 vs 20.0 ms at 4 rows (fp32,
-                       * llama-120m's GEMVs, Zen 4 host, alternating), 15.8 vs 16.4 at 3, 9.3 vs 10.3 in
-                       * bf16 at 4; 8 x 6 and 8 x 8 blocks were slower at 4-8 rows than 8 x 4. */
-#else
-#define ROWS_W 4      /* half a panel: 4 x 3 accumulators + loads fit AVX2's 16 registers */
-#define ROWS_X 3      /* input rows per block */
+#define PANEL_COLS 32   /* output columns per panel: two AVX-512 vectors of fp32 accumulators */
+#define K_ALIGN 8       /* K is padded to a multiple of this (bf16 needs pairs) */
+#define CHUNK_PANELS 2  /* panels per unit of work a thread takes (64 output columns) */
+#define MAX_ROWS_ANY 64 /* the most rows a call may bring on any build (small_gemm.py routes more to oneDNN) */
+/* Software prefetch PREFETCH_BYTES ahead of the weight stream, into L2 (the T1 hint), by the first
+ * row block over each panel (later blocks find the panel in cache). With the hardware prefetchers
+ * alone the stream fell short of the memory's rate: on the Zen 4 host the one-row GEMV chain went
+ * from 23.5-25.2 to 26.8-30.8 GB/s in fp32; 4 KB ahead beat 2, 8 and 16 KB, and T0 gained little.
+ * Near a weight's end this asks for lines past it: a prefetch never faults. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
 #endif
-#define CHUNK_ROWS 64 /* output rows per unit of work a thread takes (a multiple of PANEL_ROWS) */
+#define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
     const float *x;                /* M rows of Kp fp32, zero past K (a scratch copy of the input) */
-    const uint16_t *xb;            /* the same as bf16 (bf16 only), for AVX512-BF16 */
-    const void *w;                 /* the weight in panels (see PANEL_ROWS): float or uint16_t bf16 bits */
+    const uint16_t *xb;            /* the same as bf16 (bf16 only) */
+    const void *w;                 /* the weight in column panels: float or uint16_t bf16 bits */
     const void *bias;              /* N, the weight's type, or NULL */
     const void *add; int64_t ld_add;  /* M rows of N, the weight's type, or NULL */
     void *y; int64_t ldy;          /* M rows of N, the weight's type */
-    int64_t M, Kp;                 /* Kp: K rounded up to the panel piece (PANEL_K_F32 or _BF16) */
+    int64_t M, N, Kp;              /* N: the real output columns; Kp: K rounded up to K_ALIGN */
     int bf16;
     void *act; int64_t ld_act;     /* SwiGLU output (M rows of N / 2, the weight's type), or NULL: then y
                                     * is a scratch [gate; up] and act gets silu(gate) * up */
 } gemm_args;
 
-/* The epilogue every path shares: bias and the fused residual add, then the store. bf16 rounds the
- * linear's output before the add and the sum again after, as `residual + linear(x)` does in bf16. */
+/* One output's epilogue: bias and the fused residual add, then the store. bf16 rounds the linear's
+ * output before the add and the sum again after, as `residual + linear(x)` does in bf16. */
 static inline void store(const gemm_args *a, int64_t m, int64_t n, float acc) {
     if (!a->bf16) {
         if (a->bias) acc += ((const float *)a->bias)[n];
@@ -83,10 +90,11 @@ static inline void store(const gemm_args *a, int64_t m, int64_t n, float acc) {
     ((uint16_t *)a->y)[m * a->ldy + n] = out;
 }
 
-/* Element offset of weight (n, k) in the panel layout. */
-static inline int64_t panel_offset(const gemm_args *a, int64_t n, int64_t k) {
-    const int64_t pk = a->bf16 ? PANEL_K_BF16 : PANEL_K_F32;
-    return (n / PANEL_ROWS) * a->Kp * PANEL_ROWS + (k / pk) * (PANEL_ROWS * pk) + (n % PANEL_ROWS) * pk + k % pk;
+/* The epilogue of one row of a tile, its PANEL_COLS sums in buf, output by output (the last
+ * panel's padding columns are dropped). */
+static inline void store_row(const gemm_args *a, int64_t panel, int64_t m, const float *buf) {
+    const int64_t n0 = panel * PANEL_COLS, cols = a->N - n0 < PANEL_COLS ? a->N - n0 : PANEL_COLS;
+    for (int64_t c = 0; c < cols; c++) store(a, m, n0 + c, buf[c]);
 }
 
 #ifndef SMALL_GEMM_NO_VECTOR
@@ -95,131 +103,218 @@ static inline int64_t panel_offset(const gemm_args *a, int64_t n, int64_t k) {
 #endif
 #endif
 
-#ifndef SMALL_GEMM_VECTOR
-/* Without AVX2: one output at a time, any block. */
-static void block_scalar(const gemm_args *a, int64_t n0, int64_t nw, int64_t m0, int64_t mx) {
-    for (int64_t i = 0; i < nw; i++) {
-        for (int64_t j = 0; j < mx; j++) {
-            const float *xr = a->x + (m0 + j) * a->Kp;
-            float acc = 0.0f;
-            for (int64_t k = 0; k < a->Kp; k++) {
-                const int64_t at = panel_offset(a, n0 + i, k);
-                acc += xr[k] * (a->bf16 ? bf16_to_float(((const uint16_t *)a->w)[at]) : ((const float *)a->w)[at]);
-            }
-            store(a, m0 + j, n0 + i, acc);
-        }
-    }
-}
-#endif
-
-/* The vector blocks, once per weight type (small_gemm_blocks.h is a template on the macros below).
- * AVX-512: 16 fp32 lanes (half the instructions of AVX2 per weight byte), and with AVX512-BF16 a
- * dot product of bf16 pairs into fp32 lanes, 32 weights an instruction with no widening (widening
- * bf16 with shifts capped the AVX2 path at ~19 GB/s on the Zen 4 host, below the memory's rate).
- * W_*(a, p, i, k): weights of row i of the panel starting at element p, from column k. */
-#define PANEL_AT(p, i, k, pk) ((p) + ((k) / (pk)) * (PANEL_ROWS * (pk)) + (i) * (pk) + (k) % (pk))
-#define W_F32(a, p, i, k) ((const float *)(a)->w + PANEL_AT(p, i, k, PANEL_K_F32))
-#define W_BF16(a, p, i, k) ((const uint16_t *)(a)->w + PANEL_AT(p, i, k, PANEL_K_BF16))
-#define X_F32(a, m, k) ((a)->x + (m) * (a)->Kp + (k))
-/* Software prefetch PREFETCH_BYTES ahead of the weight stream, into L2 (the T1 hint). The hardware
- * prefetchers alone left the stream short of the memory's rate: on the Zen 4 host, llama-120m's
- * one-row GEMV chain went from 23.5-25.2 to 26.8-30.8 GB/s in fp32 and from 20.9-21.2 to 25.0-25.4
- * in bf16 (same process, alternating), the several-row blocks ~10% at 2-4 rows. 4 KB ahead beat 2,
- * 8 and 16 KB; into L1 (T0) gained little. Near the end of a weight this asks for lines past it:
- * a prefetch never faults, and those lines are only fetched, never read. */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 4096
-#endif
-#define PREFETCH_LINE(ptr) _mm_prefetch((const char *)(ptr), _MM_HINT_T1)
-/* The line LOAD_W(a, p, i, k) reads, for the weight type of the block being instantiated. */
-#define PREFETCH_W(a, p, i, k) \
-    PREFETCH_LINE(W_ELEM_BYTES == 4 ? (const void *)W_F32(a, p, i, k) : (const void *)W_BF16(a, p, i, k))
 #if defined(SMALL_GEMM_VECTOR) && defined(__AVX512F__)
 #define VEC __m512
-#define XVEC __m512
-#define WVEC __m512
+#define IVEC __m512i
 #define VLEN 16
-#define VZERO() _mm512_setzero_ps()
-#define LOAD_X(a, m, k) _mm512_loadu_ps(X_F32(a, m, k))
-#define FMA(w, x, acc) _mm512_fmadd_ps(w, x, acc)
-#define HSUM(v) _mm512_reduce_add_ps(v)
-#define SUFFIX f32
-#define LOAD_W(a, p, i, k) _mm512_loadu_ps(W_F32(a, p, i, k))
-#define W_ELEM_BYTES 4
-#include "small_gemm_blocks.h"
-#undef SUFFIX
-#undef LOAD_W
-#undef W_ELEM_BYTES
-#define W_ELEM_BYTES 2
-#if defined(__AVX512BF16__)
-#undef XVEC
-#undef WVEC
-#undef VLEN
-#undef LOAD_X
-#undef FMA
-#define XVEC __m512bh
-#define WVEC __m512bh
-#define VLEN 32
-#define LOAD_X(a, m, k) ((__m512bh)_mm512_loadu_si512((a)->xb + (m) * (a)->Kp + (k)))
-#define LOAD_W(a, p, i, k) ((__m512bh)_mm512_loadu_si512(W_BF16(a, p, i, k)))
-#define FMA(w, x, acc) _mm512_dpbf16_ps(acc, w, x)
-#else
-#define LOAD_W(a, p, i, k) _mm512_castsi512_ps( \
-    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)W_BF16(a, p, i, k))), 16))
+#ifndef MR_MAX
+#define MR_MAX 12 /* 12 rows x 2 vectors = 24 accumulators + 2 weight vectors + a broadcast, of 32
+                   * registers (8, 12 and 14 measured alike at 16-24 rows; 6 was 15% slower) */
 #endif
-#define SUFFIX bf16
-#include "small_gemm_blocks.h"
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VSET1(f) _mm512_set1_ps(f)
+#define VADD(u, v) _mm512_add_ps(u, v)
+#define VFMA(w, x, acc) _mm512_fmadd_ps(w, x, acc)
+#define ILOAD(p) _mm512_loadu_si512((const void *)(p))
+/* A bf16 pair's low half (even k) and high half (odd k) as fp32: a shift and a mask, exact. */
+#define PAIR_EVEN(i) _mm512_castsi512_ps(_mm512_slli_epi32(i, 16))
+#define PAIR_ODD(i) _mm512_castsi512_ps(_mm512_and_si512(i, _mm512_set1_epi32((int)0xffff0000u)))
 #elif defined(SMALL_GEMM_VECTOR)
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #define VEC __m256
-#define XVEC __m256
-#define WVEC __m256
+#define IVEC __m256i
 #define VLEN 8
+#ifndef MR_MAX
+#define MR_MAX 2 /* 2 rows x 4 vectors = 8 accumulators + 4 weight vectors + broadcasts, of 16 registers */
+#endif
 #define VZERO() _mm256_setzero_ps()
-#define LOAD_X(a, m, k) _mm256_loadu_ps(X_F32(a, m, k))
-#define FMA(w, x, acc) _mm256_fmadd_ps(w, x, acc)
-#define HSUM(v) hsum8(v)
-#define SUFFIX f32
-#define LOAD_W(a, p, i, k) _mm256_loadu_ps(W_F32(a, p, i, k))
-#define W_ELEM_BYTES 4
-#include "small_gemm_blocks.h"
-#undef SUFFIX
-#undef LOAD_W
-#undef W_ELEM_BYTES
-#define W_ELEM_BYTES 2
-/* Eight bf16 weights widened to fp32: zero-extend to 32 bits, shift into the high half (exact). */
-#define LOAD_W(a, p, i, k) _mm256_castsi256_ps( \
-    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)W_BF16(a, p, i, k))), 16))
-#define SUFFIX bf16
-#include "small_gemm_blocks.h"
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VSET1(f) _mm256_set1_ps(f)
+#define VADD(u, v) _mm256_add_ps(u, v)
+#define VFMA(w, x, acc) _mm256_fmadd_ps(w, x, acc)
+#define ILOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define PAIR_EVEN(i) _mm256_castsi256_ps(_mm256_slli_epi32(i, 16))
+#define PAIR_ODD(i) _mm256_castsi256_ps(_mm256_and_si256(i, _mm256_set1_epi32((int)0xffff0000u)))
+#else
+#ifndef MR_MAX
+#define MR_MAX 4
+#endif
 #endif
 
-static void rows_range(const gemm_args *a, int64_t n_begin, int64_t n_end) {
 #ifdef SMALL_GEMM_VECTOR
-    if (a->M == 1) {
-        for (int64_t n0 = n_begin; n0 < n_end; n0 += PANEL_ROWS) {
-            int64_t nw = n_end - n0 < PANEL_ROWS ? n_end - n0 : PANEL_ROWS;
-            if (a->bf16) block_row1_bf16(a, n0, nw); else block_row1_f32(a, n0, nw);
+#define PANEL_VECS (PANEL_COLS / VLEN)
+#define PREFETCH_PANEL(row) \
+    do { \
+        _mm_prefetch((const char *)(row) + PREFETCH_BYTES, _MM_HINT_T1); \
+        _mm_prefetch((const char *)(row) + PREFETCH_BYTES + 64, _MM_HINT_T1); \
+    } while (0)
+
+/* The epilogue of an fp32 tile: whole panels in vectors (bias and add too), the last one through
+ * store_row. acc is the tile's [MR_MAX][PANEL_VECS] accumulators. */
+INLINE void finish_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr, VEC acc[MR_MAX][PANEL_VECS]) {
+    const int64_t n0 = panel * PANEL_COLS;
+    for (int m = 0; m < mr; m++) {
+        if (n0 + PANEL_COLS > a->N) {
+            float buf[PANEL_COLS];
+            for (int v = 0; v < PANEL_VECS; v++) VSTORE(buf + v * VLEN, acc[m][v]);
+            store_row(a, panel, m0 + m, buf);
+            continue;
         }
-        return;
+        float *y = (float *)a->y + (m0 + m) * a->ldy + n0;
+        for (int v = 0; v < PANEL_VECS; v++) {
+            VEC r = acc[m][v];
+            if (a->bias) r = VADD(r, VLOAD((const float *)a->bias + n0 + v * VLEN));
+            if (a->add) r = VADD(r, VLOAD((const float *)a->add + (m0 + m) * a->ld_add + n0 + v * VLEN));
+            VSTORE(y + v * VLEN, r);
+        }
     }
+}
+
+#ifdef __AVX512F__
+/* float_to_bf16 on 16 lanes: round to nearest even, NaN kept a quiet NaN. */
+INLINE __m256i round_bf16(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+INLINE __m512 widen_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 #endif
-    for (int64_t n0 = n_begin; n0 < n_end; n0 += ROWS_W) {
-        int64_t nw = n_end - n0 < ROWS_W ? n_end - n0 : ROWS_W;
-        for (int64_t m0 = 0; m0 < a->M; m0 += ROWS_X) {
-            int64_t mx = a->M - m0 < ROWS_X ? a->M - m0 : ROWS_X;
-#ifdef SMALL_GEMM_VECTOR
-            if (a->bf16) block_bf16(a, n0, nw, m0, mx); else block_f32(a, n0, nw, m0, mx);
+
+/* The epilogue of a bf16 tile (the roundings of store, in vectors with AVX-512 for whole panels). */
+INLINE void finish_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int mr, VEC acc[MR_MAX][PANEL_VECS]) {
+    const int64_t n0 = panel * PANEL_COLS;
+    for (int m = 0; m < mr; m++) {
+#ifdef __AVX512F__
+        if (n0 + PANEL_COLS <= a->N) {
+            uint16_t *y = (uint16_t *)a->y + (m0 + m) * a->ldy + n0;
+            for (int v = 0; v < PANEL_VECS; v++) {
+                VEC r = acc[m][v];
+                if (a->bias) r = VADD(r, widen_bf16((const uint16_t *)a->bias + n0 + v * VLEN));
+                __m256i out = round_bf16(r);
+                if (a->add) {
+                    const __m512 lin = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(out), 16));
+                    out = round_bf16(VADD(lin, widen_bf16((const uint16_t *)a->add + (m0 + m) * a->ld_add + n0 + v * VLEN)));
+                }
+                _mm256_storeu_si256((__m256i *)(y + v * VLEN), out);
+            }
+            continue;
+        }
+#endif
+        float buf[PANEL_COLS];
+        for (int v = 0; v < PANEL_VECS; v++) VSTORE(buf + v * VLEN, acc[m][v]);
+        store_row(a, panel, m0 + m, buf);
+    }
+}
+
+/* Input rows m0..m0+mr against one fp32 panel. mr is a constant where this is inlined (see tile),
+ * so the accumulators stay in registers. */
+INLINE void tile_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr, const int prefetch) {
+    const float *wp = (const float *)a->w + panel * a->Kp * PANEL_COLS;
+    const float *x = a->x + m0 * a->Kp;
+    VEC acc[MR_MAX][PANEL_VECS];
+    for (int m = 0; m < mr; m++)
+        for (int v = 0; v < PANEL_VECS; v++) acc[m][v] = VZERO();
+    for (int64_t k = 0; k < a->Kp; k++) {
+        const float *row = wp + k * PANEL_COLS;
+        if (prefetch) PREFETCH_PANEL(row);
+        VEC w[PANEL_VECS];
+        for (int v = 0; v < PANEL_VECS; v++) w[v] = VLOAD(row + v * VLEN);
+        for (int m = 0; m < mr; m++) {
+            const VEC xv = VSET1(x[m * a->Kp + k]);
+            for (int v = 0; v < PANEL_VECS; v++) acc[m][v] = VFMA(w[v], xv, acc[m][v]);
+        }
+    }
+    finish_f32(a, panel, m0, mr, acc);
+}
+
+/* The same for a bf16 panel, a pair of k per step. */
+INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int mr, const int prefetch) {
+    const uint16_t *wp = (const uint16_t *)a->w + panel * a->Kp * PANEL_COLS;
+    VEC acc[MR_MAX][PANEL_VECS];
+    for (int m = 0; m < mr; m++)
+        for (int v = 0; v < PANEL_VECS; v++) acc[m][v] = VZERO();
+    for (int64_t k = 0; k < a->Kp; k += 2) {
+        const uint16_t *row = wp + k * PANEL_COLS; /* PANEL_COLS pairs */
+        if (prefetch) PREFETCH_PANEL(row);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+        __m512bh w[PANEL_VECS];
+        for (int v = 0; v < PANEL_VECS; v++) w[v] = (__m512bh)ILOAD(row + v * 2 * VLEN);
+        for (int m = 0; m < mr; m++) {
+            int32_t pair;
+            memcpy(&pair, a->xb + (m0 + m) * a->Kp + k, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < PANEL_VECS; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], w[v], xv);
+        }
 #else
-            block_scalar(a, n0, nw, m0, mx);
-#endif
+        for (int v = 0; v < PANEL_VECS; v++) {
+            const IVEC pairs = ILOAD(row + v * 2 * VLEN);
+            const VEC even = PAIR_EVEN(pairs), odd = PAIR_ODD(pairs);
+            for (int m = 0; m < mr; m++) {
+                const float *x = a->x + (m0 + m) * a->Kp + k;
+                acc[m][v] = VFMA(odd, VSET1(x[1]), VFMA(even, VSET1(x[0]), acc[m][v]));
+            }
         }
+#endif
     }
+    finish_bf16(a, panel, m0, mr, acc);
+}
+
+#define TILE_CASE(n) \
+    case n: \
+        if (a->bf16) tile_bf16(a, panel, m0, n, prefetch); else tile_f32(a, panel, m0, n, prefetch); \
+        break;
+/* One tile, its row count made a constant for the compiler. */
+static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int prefetch) {
+    switch (mr) {
+        TILE_CASE(1) TILE_CASE(2)
+#if MR_MAX > 2
+        TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
+#endif
+#if MR_MAX > 6
+        TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
+#endif
+#if MR_MAX > 12
+        TILE_CASE(13) TILE_CASE(14)
+#endif
+        default: break;
+    }
+}
+#else
+/* Without AVX2: one output at a time. */
+static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int prefetch) {
+    (void)prefetch;
+    for (int m = 0; m < mr; m++) {
+        float buf[PANEL_COLS];
+        const float *x = a->x + (m0 + m) * a->Kp;
+        for (int c = 0; c < PANEL_COLS; c++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < a->Kp; k++) {
+                const int64_t at = panel * a->Kp * PANEL_COLS + (a->bf16 ? (k / 2) * 2 * PANEL_COLS + c * 2 + k % 2
+                                                                         : k * PANEL_COLS + c);
+                acc += x[k] * (a->bf16 ? bf16_to_float(((const uint16_t *)a->w)[at]) : ((const float *)a->w)[at]);
+            }
+            buf[c] = acc;
+        }
+        store_row(a, panel, m0 + m, buf);
+    }
+}
+#endif
+
+/* Panels [p_begin, p_end) times every input row, in row blocks of equal size (at most MR_MAX). */
+static void panels_range(const gemm_args *a, int64_t p_begin, int64_t p_end) {
+    const int64_t blocks = (a->M + MR_MAX - 1) / MR_MAX, mr = (a->M + blocks - 1) / blocks;
+    for (int64_t p = p_begin; p < p_end; p++)
+        for (int64_t m0 = 0; m0 < a->M; m0 += mr)
+            tile(a, p, m0, (int)(a->M - m0 < mr ? a->M - m0 : mr), m0 == 0);
 }
 
 /* act[m, n] = silu(gate) * up for n in [n_begin, n_end), gate = y[m, n], up = y[m, half + n], as
@@ -243,57 +338,56 @@ static void swiglu_rows(const gemm_args *a, int64_t n_begin, int64_t n_end, int6
     }
 }
 
-/* The rows [n_begin, n_end) of the output; with SwiGLU, of the gate, with the up rows that pair with
- * them and the SwiGLU of the pairs while they are in cache. */
-static void unit_of_work(const gemm_args *a, int64_t n_begin, int64_t n_end, int64_t half) {
-    rows_range(a, n_begin, n_end);
+/* The panels [p_begin, p_end) of the output; with SwiGLU, of the gate, with the up panels that
+ * pair with them and the SwiGLU of the pairs while they are in cache. */
+static void unit_of_work(const gemm_args *a, int64_t p_begin, int64_t p_end, int64_t half) {
+    panels_range(a, p_begin, p_end);
     if (!a->act) return;
-    rows_range(a, half + n_begin, half + n_end);
-    swiglu_rows(a, n_begin, n_end, half);
+    panels_range(a, half / PANEL_COLS + p_begin, half / PANEL_COLS + p_end);
+    swiglu_rows(a, p_begin * PANEL_COLS, p_end * PANEL_COLS < half ? p_end * PANEL_COLS : half, half);
 }
 
-static int run(gemm_args *a, int64_t N, int threads) {
-    /* With SwiGLU the work is split over the gate rows; each unit also does the matching up rows. */
-    const int64_t half = a->act ? N / 2 : 0;
-    if (a->act) N = half;
+static int run(gemm_args *a, int threads) {
+    /* With SwiGLU the work is split over the gate panels; each unit also does the matching up ones. */
+    const int64_t half = a->act ? a->N / 2 : 0;
+    const int64_t cols = a->act ? half : a->N, panels = (cols + PANEL_COLS - 1) / PANEL_COLS;
     if (threads < 1) threads = 1;
-    /* Each thread at least 64 rows: below that, waking a thread costs more than it streams. */
-    int64_t most = (N + 63) / 64;
+    /* Each thread at least 64 columns: below that, waking a thread costs more than it streams. */
+    int64_t most = (cols + 63) / 64;
     if (threads > most) threads = (int)most;
 #ifdef _OPENMP
     /* Chunks handed out as threads come for them, not a fixed half each: on a server the HTTP
      * process and the client share these cores, and a thread the kernel deschedules mid-call would
-     * otherwise leave its whole half for the others to wait on (a barrier at the end). Chunks of
-     * CHUNK_ROWS rows stay long enough (>= 64 rows of K) for the prefetchers. */
-    int64_t chunks = (N + CHUNK_ROWS - 1) / CHUNK_ROWS;
+     * otherwise leave its whole half for the others to wait on (a barrier at the end). */
+    const int64_t chunks = (panels + CHUNK_PANELS - 1) / CHUNK_PANELS;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
-        int64_t n_begin = c * CHUNK_ROWS, n_end = n_begin + CHUNK_ROWS < N ? n_begin + CHUNK_ROWS : N;
-        unit_of_work(a, n_begin, n_end, half);
+        const int64_t p_begin = c * CHUNK_PANELS, p_end = p_begin + CHUNK_PANELS < panels ? p_begin + CHUNK_PANELS : panels;
+        unit_of_work(a, p_begin, p_end, half);
     }
 #else
     (void)threads;
-    unit_of_work(a, 0, N, half);
+    unit_of_work(a, 0, panels, half);
 #endif
     return 0;
 }
 
 /* y = x w^T (+ bias) (+ add), fp32 (bf16 != 0: every tensor bf16, as uint16_t bits). x: M rows of K,
- * row stride ldx; w: [N, K] in panels (small_gemm.py's pack_weight: PANEL_ROWS rows by pieces of
- * PANEL_K_F32 / _BF16 columns, zero-padded); bias: N or NULL; add: M rows of N (stride ld_add) or NULL; y: M rows of N,
- * row stride ldy. With act non-NULL, w is a merged [gate; up] weight (N / 2 a multiple of
- * PANEL_ROWS, so the up rows start a panel), y is ignored (a scratch takes the GEMM) and act gets
- * M rows (stride ld_act) of silu(gate) * up. Returns 0, -1 for bad sizes, -2 when a scratch
- * buffer cannot be allocated. */
+ * row stride ldx; w: [N, K] in column panels (small_gemm.py's pack_weight: PANEL_COLS columns, K
+ * padded to K_ALIGN, zero-padded); bias: N or NULL; add: M rows of N (stride ld_add) or NULL; y: M
+ * rows of N, row stride ldy. With act non-NULL, w is a merged [gate; up] weight (N / 2 a multiple
+ * of PANEL_COLS, so the up rows start a panel), y is ignored (a scratch takes the GEMM) and act
+ * gets M rows (stride ld_act) of silu(gate) * up. Returns 0, -1 for bad sizes (M above
+ * MAX_ROWS_ANY included), -2 when a scratch buffer cannot be allocated. */
 static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void *bias, const void *add,
                           int64_t ld_add, void *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int bf16,
                           void *act, int64_t ld_act) {
-    if (act && (add || N % (2 * PANEL_ROWS) || ld_act < N / 2)) return -1;
+    if (act && (add || N % (2 * PANEL_COLS) || ld_act < N / 2)) return -1;
     if (act) ldy = N;
-    if (M < 0 || N < 0 || K < 0 || ldx < K || ldy < N || (add && ld_add < N)) return -1;
+    if (M < 0 || M > MAX_ROWS_ANY || N < 0 || K < 0 || ldx < K || ldy < N || (add && ld_add < N)) return -1;
     if (M == 0 || N == 0) return 0;
-    const int64_t pk = bf16 ? PANEL_K_BF16 : PANEL_K_F32, Kp = (K + pk - 1) / pk * pk;
-    /* The input copied once, zero-padded to Kp (the weights' padding), so no block has a tail: M x
+    const int64_t Kp = (K + K_ALIGN - 1) / K_ALIGN * K_ALIGN;
+    /* The input copied once, zero-padded to Kp (the weights' padding), so no tile has a tail: M x
      * Kp floats (+ bf16), a few KB. */
     size_t floats = (size_t)(M * Kp > 0 ? M * Kp : 1);
     float *xf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
@@ -317,8 +411,8 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
             xf[m * Kp + k] = bf16_to_float(h);
         }
     }
-    gemm_args a = {xf, xb, w, bias, add, ld_add, y, ldy, M, Kp, bf16, act, ld_act};
-    int rc = run(&a, N, threads);
+    gemm_args a = {xf, xb, w, bias, add, ld_add, y, ldy, M, N, Kp, bf16, act, ld_act};
+    int rc = run(&a, threads);
     free(xf);
     free(xb);
     free(scratch);
@@ -337,26 +431,30 @@ int small_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uin
 
 /* act = silu(x w_gate^T + b_gate) * (x w_up^T + b_up) for a merged [gate; up] weight of N rows (fp32,
  * or every tensor bf16 when bf16 != 0): the MLP's first half in one call, SiLU and the product done
- * by the thread that computed each pair of rows. See small_gemm_any for the rest. */
+ * by the thread that computed each pair of panels. See small_gemm_any for the rest. */
 int small_gemm_swiglu(const void *x, int64_t ldx, const void *w, const void *bias, void *act, int64_t ld_act,
                       int64_t M, int64_t N, int64_t K, int threads, int bf16) {
     return small_gemm_any(x, ldx, w, bias, NULL, 0, NULL, 0, M, N, K, threads, bf16 != 0, act, ld_act);
 }
 
 /* The most rows a call should bring (small_gemm.py routes larger calls to oneDNN), for fp32 or
- * (bf16 != 0) bf16 weights. On AVX2 the kernel beat oneDNN's GEMV up to 8 rows. On the Zen 4 host
- * (AVX-512, 8 x 4 blocks) it led in fp32 up to 4 rows (1.46 / 1.30 / 1.14x at 1 / 3 / 4) and
- * lost from 6 (0.81x), and in bf16 led up to 8 (1.66 / 1.47 / 1.09x at 1 / 4 / 8): bf16 streams
- * half the bytes for the same arithmetic as oneDNN's bf16 GEMM. Any row count computes correctly. */
+ * (bf16 != 0) bf16 weights: where the kernel stopped beating oneDNN's blocked GEMM. On the Zen 4
+ * host (AVX-512, AVX512-BF16; llama-120m's GEMVs, alternating) fp32 led at every count up to 32
+ * (1.34x at 8, 1.12x at 16, 1.06x at 32, 0.96-1.1x at 32 across runs), bf16 up to 24 (1.40x at 8,
+ * 1.18x at 16, 1.11x at 24) and lost at 32 (0.88x: oneDNN's bf16 GEMM computes faster once the
+ * stream no longer bounds it); on the AVX2 host the previous kernel led up to 8, and this one
+ * beats that one at 1-8 rows (AVX2 build on the Zen 4 host). Any row count up to MAX_ROWS_ANY
+ * computes correctly. */
 int small_gemm_max_rows(int bf16) {
-#if defined(__AVX512F__) && !defined(SMALL_GEMM_NO_VECTOR)
-    return bf16 ? 8 : 4;
+#if defined(__AVX512F__) && defined(SMALL_GEMM_VECTOR)
+    return bf16 ? 24 : 32;
 #else
     (void)bf16;
     return 8;
 #endif
 }
 
-/* The panel geometry, for the Python side's packing (one source of truth). */
-int small_gemm_panel_rows(void) { return PANEL_ROWS; }
-int small_gemm_panel_k(int bf16) { return bf16 ? PANEL_K_BF16 : PANEL_K_F32; }
+/* The layout's geometry, for the Python side's packing (one source of truth). */
+int small_gemm_panel_cols(void) { return PANEL_COLS; }
+int small_gemm_k_align(void) { return K_ALIGN; }
+int small_gemm_max_rows_any(void) { return MAX_ROWS_ANY; }

@@ -1,13 +1,14 @@
 """Linear layers at a decode step's few rows, in one C call (``small_gemm.c``).
 
 At up to :func:`max_rows` rows a linear layer reads every weight once and does little arithmetic
-with it, so its speed is the rate the cores stream the weight at. The C kernel walks its own copy
-of the weight (:func:`pack_weight`: panels of 8 rows, one sequential stream each) in contiguous
-per-thread slices. On this project's 2-core AVX2 host it streamed the ``llama-120m`` weights at
-~20.5 GB/s at one row where oneDNN's packed GEMV streamed ~19, and was 1.4x / 1.1x / 1.2x faster
-at 2 / 4 / 8 rows; on the Zen 4 host (AVX-512, AVX512-BF16) 1.5x (fp32) and 1.7x (bf16) faster at
-one row, faster up to 4 rows in fp32 and up to 8 in bf16, oneDNN's blocked GEMM winning above
-(docs/benchmarks.md), hence the per-build, per-dtype limit.
+with it (up to ~10 rows in fp32 the arithmetic still fits under the weight stream), so its speed
+is the rate the cores stream the weight at. The C kernel walks its own copy of the weight
+(:func:`pack_weight`: panels of 32 output columns, each one sequential stream, the 32 weights of
+each k side by side) in per-thread chunks of panels, as a GEMM micro-kernel: each k's weights are
+loaded once and multiplied into every input row's accumulators. On the Zen 4 host (AVX-512,
+AVX512-BF16) it streamed llama-120m's weights ~1.5x faster than oneDNN's GEMV at one row, and was
+faster than oneDNN's blocked GEMM up to 32 rows in fp32 and 24 in bf16; on the 2-core AVX2 host
+the previous layout led up to 8 rows (docs/benchmarks.md), hence the per-build, per-dtype limit.
 
 :func:`small_linear` returns ``None`` when the kernel does not apply (not fp32 or bf16 CPU tensors,
 too many rows, autograd on, no C compiler) and the caller runs its usual GEMM.
@@ -29,9 +30,9 @@ CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
-#: The most rows the kernel takes on any build; the build for this CPU may take fewer
-#: (:func:`max_rows`): above its limit oneDNN's blocked GEMM measured faster.
-MAX_ROWS = 8
+#: The most rows the kernel takes on any build (``MAX_ROWS_ANY`` in the C); the build for this CPU
+#: takes fewer (:func:`max_rows`): above its limit oneDNN's blocked GEMM measured faster.
+MAX_ROWS = 64
 
 
 @lru_cache(maxsize=1)
@@ -47,8 +48,8 @@ def _load() -> ctypes.CDLL | None:
     lib.small_gemm_swiglu.restype = ctypes.c_int
     lib.small_gemm_max_rows.argtypes = [ctypes.c_int]
     lib.small_gemm_max_rows.restype = ctypes.c_int
-    geometry = (lib.small_gemm_panel_rows(), lib.small_gemm_panel_k(0), lib.small_gemm_panel_k(1))
-    if geometry != (PANEL_ROWS, panel_k(torch.float32), panel_k(torch.bfloat16)):
+    geometry = (lib.small_gemm_panel_cols(), lib.small_gemm_k_align(), lib.small_gemm_max_rows_any())
+    if geometry != (PANEL_COLS, K_ALIGN, MAX_ROWS):
         raise RuntimeError("small_gemm.c and small_gemm.py disagree on the panel layout")
     return lib
 
@@ -61,28 +62,25 @@ def kernel_available() -> bool:
 @lru_cache(maxsize=2)
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
-    of this CPU's build: 8 with AVX2; with AVX-512 4 in fp32 and 8 in bf16); 0 when the kernel is
+    of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16); 0 when the kernel is
     unavailable."""
     lib = _load()
     return 0 if lib is None else min(MAX_ROWS, int(lib.small_gemm_max_rows(int(dtype == torch.bfloat16))))
 
 
-#: Rows per panel of the kernel's weight layout (``small_gemm.c``); columns per panel piece: one
-#: 64-byte cache line of a row.
-PANEL_ROWS, PANEL_BYTES = 8, 64
-
-
-def panel_k(dtype: torch.dtype) -> int:
-    """Columns per panel piece for weights of ``dtype`` (16 fp32, 32 bf16)."""
-    return PANEL_BYTES // (torch.finfo(dtype).bits // 8)
+#: Output columns (weight rows) per panel of the kernel's weight layout (``small_gemm.c``), and
+#: what the input length is padded to (bf16 keeps k in pairs).
+PANEL_COLS, K_ALIGN = 32, 8
 
 
 @dataclass(frozen=True, eq=False)
 class PanelWeight:
-    """A linear weight ``[out_features, in_features]`` in the kernel's panel layout (see
-    ``small_gemm.c``): ``data`` is ``[ceil(out / 8), ceil(in / pk), 8, pk]`` with ``pk`` from
-    :func:`panel_k`, zero-padded, so each 8-row panel is one sequential stream. Made by
-    :func:`pack_weight`; :meth:`dense` gives the plain weight back, bit for bit."""
+    """A linear weight ``[out_features, in_features]`` in the kernel's column-panel layout (see
+    ``small_gemm.c``), zero-padded to whole panels and to a multiple of :data:`K_ALIGN` columns:
+    ``data`` is ``[panels, K, 32]`` for fp32 (each k's 32 weights side by side) and ``[panels,
+    K / 2, 32, 2]`` for bf16 (each output's pair of k side by side), so each panel is one
+    sequential stream. Made by :func:`pack_weight`; :meth:`dense` gives the plain weight back, bit
+    for bit."""
 
     data: torch.Tensor
     out_features: int
@@ -94,21 +92,26 @@ class PanelWeight:
 
     def dense(self) -> torch.Tensor:
         """The ``[out_features, in_features]`` weight this was packed from (a new tensor)."""
-        panels, pieces, _, pk = self.data.shape
-        full = self.data.permute(0, 2, 1, 3).reshape(panels * PANEL_ROWS, pieces * pk)
+        panels = self.data.shape[0]
+        if self.data.dim() == 3:
+            full = self.data.permute(0, 2, 1).reshape(panels * PANEL_COLS, -1)
+        else:
+            full = self.data.permute(0, 2, 1, 3).reshape(panels * PANEL_COLS, -1)
         return full[: self.out_features, : self.in_features].contiguous()
 
 
 def pack_weight(weight: torch.Tensor) -> PanelWeight:
-    """``weight`` (``[N, K]``, fp32 or bf16) copied into the kernel's panel layout."""
+    """``weight`` (``[N, K]``, fp32 or bf16) copied into the kernel's column-panel layout."""
     n, k = weight.shape
-    pk = panel_k(weight.dtype)
-    rows, cols = -(-n // PANEL_ROWS) * PANEL_ROWS, -(-k // pk) * pk
+    rows, cols = -(-n // PANEL_COLS) * PANEL_COLS, -(-k // K_ALIGN) * K_ALIGN
     padded = weight.detach().contiguous()
     if (rows, cols) != (n, k):
         padded = weight.new_zeros(rows, cols)
         padded[:n, :k] = weight.detach()
-    data = padded.view(rows // PANEL_ROWS, PANEL_ROWS, cols // pk, pk).permute(0, 2, 1, 3).contiguous()
+    if weight.dtype == torch.bfloat16:
+        data = padded.view(rows // PANEL_COLS, PANEL_COLS, cols // 2, 2).permute(0, 2, 1, 3).contiguous()
+    else:
+        data = padded.view(rows // PANEL_COLS, PANEL_COLS, cols).permute(0, 2, 1).contiguous()
     return PanelWeight(data, n, k)
 
 
@@ -121,7 +124,7 @@ def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
 
     ``swiglu``: ``W`` is a merged ``[gate; up]`` weight and the result is ``F.silu(gate) * up``
     (half as wide; bf16 rounds the GEMM, the SiLU and the product, as those torch ops do), in the
-    same call; ``None`` also when half of ``W``'s rows is not a multiple of :data:`PANEL_ROWS`.
+    same call; ``None`` also when half of ``W``'s rows is not a multiple of :data:`PANEL_COLS`.
 
     Called ~60 times per decode step, so the checks are ordered for the common case (2-D rows, no
     reshape, no view): each tensor attribute costs a fraction of a microsecond, and this wrapper
@@ -135,7 +138,7 @@ def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
     if rows == 0 or rows > max_rows(dtype) or weight.in_features != k:
         return None
     n = weight.out_features
-    if swiglu and (add is not None or n % (2 * PANEL_ROWS)):
+    if swiglu and (add is not None or n % (2 * PANEL_COLS)):
         return None
     if torch.is_grad_enabled() and x.requires_grad:
         return None  # autograd cannot see through the kernel

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.kernels.small_gemm import PANEL_ROWS, PanelWeight, pack_weight, small_linear
+from framework.kernels.small_gemm import PANEL_COLS, PanelWeight, pack_weight, small_linear
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class PackedSwiGLU(nn.Module):
         self.small_weight = _small_gemm_weight(weight) if small_gemm else None
         self.small_bias = None if bias is None or not small_gemm else bias.detach().contiguous()
         # The kernel's fused SwiGLU needs the up rows to start a panel of its weight copy.
-        self.small_swiglu = self.small_weight is not None and half % PANEL_ROWS == 0
+        self.small_swiglu = self.small_weight is not None and half % PANEL_COLS == 0
         object.__setattr__(self, "source", _without_weight(gate_up))  # see PackedLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,8 +266,9 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False) -> int:
     Linear layers whose weight is shared with another module (a tied ``lm_head``) keep the shared
     dense weight; the others drop it, so packing does not double the model's memory. With
     ``small_gemm`` the fp32 and bf16 layers also keep a copy of their weight in the small-GEMM
-    kernel's layout (:mod:`framework.kernels.small_gemm`), which runs calls of up to 8 rows (decode
-    steps): faster there than oneDNN, at the price of a second copy of the linear weights.
+    kernel's layout (:mod:`framework.kernels.small_gemm`), which runs calls of up to
+    ``small_gemm.max_rows(dtype)`` rows (decode steps): faster there than oneDNN, at the price of a
+    second copy of the linear weights.
     """
     shared = _shared_parameter_ids(model)
     dtypes = packable_dtypes()

@@ -75,11 +75,12 @@ def _assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expe
     assert torch.all(err <= bound.view_as(err)), float((err / bound.view_as(err)).max())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 30])
 @pytest.mark.parametrize("n_out,k_in", [(40, 24), (130, 768), (257, 1001), (3, 8), (64, 5)])
 def test_matches_float64_reference(rows: int, n_out: int, k_in: int, kernel_variant: str) -> None:
-    """Row counts around the 3-row blocks, outputs around the 4-row blocks and the per-thread split,
-    input lengths with and without a tail past the last multiple of 8."""
+    """Row counts within one tile and over several row blocks (2 rows a tile on AVX2, up to 12 on
+    AVX-512), outputs around the 32-column panels and the per-thread split, input lengths with and
+    without a tail past the last multiple of 8."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out + k_in)
     x, w = torch.randn(rows, k_in, generator=g), torch.randn(n_out, k_in, generator=g)
     got = _linear(x, w)
@@ -133,14 +134,16 @@ def _bf16_bounds(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, add: torc
     return lo, hi
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
-@pytest.mark.parametrize("n_out,k_in", [(40, 24), (257, 1001), (3, 8), (64, 5)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 24])
+@pytest.mark.parametrize("n_out,k_in", [(40, 24), (257, 1001), (3, 8), (64, 5), (96, 40)])
 @pytest.mark.parametrize("with_add", [False, True])
 def test_bf16_within_fp32_accumulation_of_the_exact_result(rows: int, n_out: int, k_in: int, with_add: bool,
                                                           kernel_variant: str) -> None:
-    """bf16 weights widened in the kernel: every output lies between the bf16 roundings of the exact
-    result moved by fp32 accumulation error, the residual added after rounding the linear's output
-    (a kernel that dropped a column, a K tail or the bias, or summed in bf16, falls outside)."""
+    """bf16 weights (pair dot products, or widened in the kernel): every output lies between the
+    bf16 roundings of the exact result moved by fp32 accumulation error, the residual added after
+    rounding the linear's output (a kernel that dropped a column, a K tail or the bias, or summed in
+    bf16, falls outside). Whole panels (96 outputs) take the vector epilogue, a last partial panel
+    the scalar one."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out + k_in + with_add)
     x, w = torch.randn(rows, k_in, generator=g).bfloat16(), torch.randn(n_out, k_in, generator=g).bfloat16()
     bias = torch.randn(n_out, generator=g).bfloat16()
@@ -151,8 +154,8 @@ def test_bf16_within_fp32_accumulation_of_the_exact_result(rows: int, n_out: int
     assert torch.all((lo.float() <= got.float()) & (got.float() <= hi.float()))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4])
-@pytest.mark.parametrize("half,k_in", [(48, 96), (200, 130), (8, 5)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 13])
+@pytest.mark.parametrize("half,k_in", [(64, 96), (224, 130), (32, 5)])
 def test_swiglu_is_silu_of_gate_times_up(rows: int, half: int, k_in: int, kernel_variant: str) -> None:
     """``swiglu=True`` on a merged ``[gate; up]`` weight: fp32 within float rounding of SiLU(gate) *
     up computed in float64 from the exact GEMM; bf16 what torch's bf16 ``F.silu(gate) * up`` gives
@@ -182,17 +185,17 @@ def test_swiglu_is_silu_of_gate_times_up(rows: int, half: int, k_in: int, kernel
 def test_swiglu_steps_aside_where_it_does_not_apply() -> None:
     """A half that does not start a panel, or a residual add, is not fused (the caller runs the ops)."""
     x = torch.randn(2, 16)
-    assert small_gemm.small_linear(x, small_gemm.pack_weight(torch.randn(2 * 12, 16)), swiglu=True) is None
-    w = small_gemm.pack_weight(torch.randn(2 * 16, 16))
-    assert small_gemm.small_linear(x, w, add=torch.randn(2, 32), swiglu=True) is None
-    assert small_gemm.small_linear(x, w, swiglu=True).shape == (2, 16)
+    assert small_gemm.small_linear(x, small_gemm.pack_weight(torch.randn(2 * 48, 16)), swiglu=True) is None
+    w = small_gemm.pack_weight(torch.randn(2 * 32, 16))
+    assert small_gemm.small_linear(x, w, add=torch.randn(2, 64), swiglu=True) is None
+    assert small_gemm.small_linear(x, w, swiglu=True).shape == (2, 32)
 
 
 def test_row_limit_per_dtype() -> None:
-    """The build's row limits: 8 on AVX2 (or plain C), and with AVX-512 4 in fp32 and 8 in bf16
-    (bf16 streams half the bytes for the same arithmetic, so it stays ahead of oneDNN longer)."""
+    """The build's row limits: 8 on AVX2 (or plain C), and with AVX-512 32 in fp32 and 24 in bf16
+    (oneDNN's bf16 GEMM out-computes the kernel sooner once the weight stream no longer bounds it)."""
     fp32, bf16 = small_gemm.max_rows(torch.float32), small_gemm.max_rows(torch.bfloat16)
-    assert (fp32, bf16) == ((4, 8) if "avx512f" in _cpu_flags() else (8, 8))
+    assert (fp32, bf16) == ((32, 24) if "avx512f" in _cpu_flags() else (8, 8))
 
 
 def _cpu_flags() -> set[str]:
@@ -219,25 +222,32 @@ def test_steps_aside_where_it_does_not_apply() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_out,k_in", [(16, 64), (13, 40), (1, 1), (9, 33)])
+@pytest.mark.parametrize("n_out,k_in", [(16, 64), (13, 40), (1, 1), (9, 33), (70, 17)])
 def test_panel_layout_round_trips(dtype: torch.dtype, n_out: int, k_in: int) -> None:
-    """pack_weight pads to whole panels with zeros and dense() gives the weight back bit for bit
-    (unpacking for weight updates and memory release reads it); a non-contiguous weight packs by
-    its values."""
+    """pack_weight pads to whole 32-column panels and a multiple of 8 inputs with zeros, puts each
+    k's 32 weights side by side (bf16: each output's pair of k), and dense() gives the weight back
+    bit for bit (unpacking for weight updates and memory release reads it); a non-contiguous weight
+    packs by its values."""
     w = torch.randn(n_out, k_in).to(dtype)
     packed = small_gemm.pack_weight(w)
-    pk = small_gemm.panel_k(dtype)  # one 64-byte line of a row: 16 fp32, 32 bf16
-    assert pk * w.element_size() == 64
-    assert packed.data.shape == (-(-n_out // 8), -(-k_in // pk), 8, pk)
+    panels, k_padded = -(-n_out // 32), -(-k_in // 8) * 8
+    if dtype == torch.bfloat16:
+        assert packed.data.shape == (panels, k_padded // 2, 32, 2)
+        assert torch.equal(packed.data[0, 0, : min(n_out, 32), 0], w[:32, 0])
+        if k_in > 1:
+            assert torch.equal(packed.data[0, 0, : min(n_out, 32), 1], w[:32, 1])
+    else:
+        assert packed.data.shape == (panels, k_padded, 32)
+        assert torch.equal(packed.data[0, k_in - 1, : min(n_out, 32)], w[:32, k_in - 1])
     assert torch.equal(packed.dense(), w)
     assert int((packed.data != 0).sum()) == int((w != 0).sum())  # the padding holds zeros
     assert torch.equal(small_gemm.pack_weight(w.t().contiguous().t()).dense(), w)
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 32, 40])
 def test_packed_layers_use_it_up_to_its_row_limit(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``small_gemm`` the packed layers send calls of up to ``max_rows()`` rows (8 on AVX2, 4 on
+    """With ``small_gemm`` the packed layers send calls of up to ``max_rows()`` rows (8 on AVX2, 32 on
     AVX-512 in fp32) to the kernel (counted) and the rest to oneDNN, and both agree with F.linear; the SwiGLU path with SiLU * up."""
     calls = []
     real = small_gemm.small_linear
@@ -249,9 +259,10 @@ def test_packed_layers_use_it_up_to_its_row_limit(rows: int, monkeypatch: pytest
 
     monkeypatch.setattr("framework.models.cpu_linear.small_linear", counting)
     torch.manual_seed(rows)
-    lin, gate_up = nn.Linear(96, 80), nn.Linear(96, 2 * 48)
+    lin, gate_up = nn.Linear(96, 80), nn.Linear(96, 2 * 64)
     x, residual = torch.randn(rows, 96), torch.randn(rows, 80)
     packed, swiglu = PackedLinear(lin, small_gemm=True), PackedSwiGLU(gate_up, small_gemm=True)
+    assert swiglu.small_swiglu  # 64 gate rows: the up rows start a panel
     with torch.no_grad():
         torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(packed.forward_add(x, residual), residual + F.linear(x, lin.weight, lin.bias),
@@ -300,12 +311,12 @@ def test_engine_setting_and_its_errors(tiny_model, engine_factory) -> None:
 
 @needs_onednn
 @pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="oneDNN packs bf16 only on a CPU with native bf16")
-@pytest.mark.parametrize("rows", [1, 5, 9])
+@pytest.mark.parametrize("rows", [1, 5, 9, 30])
 def test_packed_bf16_layers_agree_with_f_linear(rows: int) -> None:
-    """bf16 packed layers (kernel at <= 8 rows, oneDNN above) against bf16 ``F.linear``: equal to
-    within one bf16 rounding (both accumulate in fp32, in different orders)."""
+    """bf16 packed layers (kernel up to ``max_rows(bf16)`` rows, oneDNN above) against bf16
+    ``F.linear``: equal to within one bf16 rounding (both accumulate in fp32, in different orders)."""
     torch.manual_seed(rows)
-    lin, gate_up = nn.Linear(96, 80).bfloat16(), nn.Linear(96, 2 * 48).bfloat16()
+    lin, gate_up = nn.Linear(96, 80).bfloat16(), nn.Linear(96, 2 * 64).bfloat16()
     x, residual = torch.randn(rows, 96).bfloat16(), torch.randn(rows, 80).bfloat16()
     with torch.no_grad():
         packed, swiglu = PackedLinear(lin, small_gemm=True), PackedSwiGLU(gate_up, small_gemm=True)
