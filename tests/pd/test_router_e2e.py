@@ -156,13 +156,17 @@ def sglang_router_python() -> str | None:
 
 
 def wait_for_workers(url: str, count: int, timeout_s: float = 120.0) -> dict:
-    """sglang-router answers /health at once and registers its workers in the background."""
+    """sglang-router answers /health at once and registers its workers in the background: a worker
+    shows up healthy with model_id "unknown" until the router has read its /server_info (a CI run
+    caught it in between), so this waits for that too; a router that never learns the name times
+    out here with what it last reported."""
     deadline = time.monotonic() + timeout_s
     info: dict = {}
     while time.monotonic() < deadline:
         try:
             info = httpx.get(f"{url}/workers", timeout=5).json()
-            if len(info.get("workers", [])) == count and all(w["is_healthy"] for w in info["workers"]):
+            workers = info.get("workers", [])
+            if len(workers) == count and all(w["is_healthy"] and w.get("model_id") != "unknown" for w in workers):
                 return info
         except httpx.HTTPError:
             pass
