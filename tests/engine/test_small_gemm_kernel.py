@@ -75,7 +75,7 @@ def _assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expe
     assert torch.all(err <= bound.view_as(err)), float((err / bound.view_as(err)).max())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 30])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 30, 64])
 @pytest.mark.parametrize("n_out,k_in", [(40, 24), (130, 768), (257, 1001), (3, 8), (64, 5)])
 def test_matches_float64_reference(rows: int, n_out: int, k_in: int, kernel_variant: str) -> None:
     """Row counts within one tile and over several row blocks (2 rows a tile on AVX2, up to 12 on
@@ -325,3 +325,14 @@ def test_packed_bf16_layers_agree_with_f_linear(rows: int) -> None:
         torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), **tol)
         torch.testing.assert_close(packed.forward_add(x, residual), residual + F.linear(x, lin.weight, lin.bias), **tol)
         torch.testing.assert_close(swiglu(x), SiluAndMul()(gate_up(x)), **tol)
+
+
+def test_rows_past_the_kernels_limit_are_refused_by_the_c_side() -> None:
+    """The C entry point rejects more rows than any build takes (``MAX_ROWS``) with -1 rather than
+    reading past its tiles; small_linear never sends that many (its per-build limit is lower)."""
+    fn = small_gemm._gemm_fn(True)
+    x, w = torch.randn(small_gemm.MAX_ROWS + 1, 8), small_gemm.pack_weight(torch.randn(4, 8))
+    y = torch.empty(x.shape[0], 4)
+    rc = fn(x.data_ptr(), 8, w.data.data_ptr(), None, None, 0, y.data_ptr(), 4, x.shape[0], 4, 8, 1)
+    assert rc == -1
+    assert small_gemm.max_rows(torch.float32) <= small_gemm.MAX_ROWS
