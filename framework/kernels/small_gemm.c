@@ -109,7 +109,7 @@ static inline void store_row(const gemm_args *a, int64_t panel, int64_t m, const
 #define VLEN 16
 #ifndef MR_MAX
 #define MR_MAX 12 /* 12 rows x 2 vectors = 24 accumulators + 2 weight vectors + a broadcast, of 32
-                   * registers (8, 12 and 14 measured alike at 16-24 rows; 6 was 15% slower) */
+                   * registers (8, 12 and 14 measured alike at 16-24 rows; 6 was 15% slower; tile() takes <= 12) */
 #endif
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_loadu_ps(p)
@@ -141,6 +141,10 @@ static inline void store_row(const gemm_args *a, int64_t panel, int64_t m, const
 #ifndef MR_MAX
 #define MR_MAX 4
 #endif
+#endif
+
+#if MR_MAX > 12
+#error "MR_MAX above 12: tile() has no case for such row blocks"
 #endif
 
 #ifdef SMALL_GEMM_VECTOR
@@ -184,9 +188,9 @@ INLINE __m256i round_bf16(__m512 f) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-INLINE __m512 widen_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+/* 16 bf16 values as fp32 (a shift, exact). */
+INLINE __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+INLINE __m512 load_bf16(const uint16_t *p) { return widen_bf16(_mm256_loadu_si256((const __m256i *)p)); }
 #endif
 
 /* The epilogue of a bf16 tile (the roundings of store, in vectors with AVX-512 for whole panels). */
@@ -198,12 +202,10 @@ INLINE void finish_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int
             uint16_t *y = (uint16_t *)a->y + (m0 + m) * a->ldy + n0;
             for (int v = 0; v < PANEL_VECS; v++) {
                 VEC r = acc[m][v];
-                if (a->bias) r = VADD(r, widen_bf16((const uint16_t *)a->bias + n0 + v * VLEN));
+                if (a->bias) r = VADD(r, load_bf16((const uint16_t *)a->bias + n0 + v * VLEN));
                 __m256i out = round_bf16(r);
-                if (a->add) {
-                    const __m512 lin = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(out), 16));
-                    out = round_bf16(VADD(lin, widen_bf16((const uint16_t *)a->add + (m0 + m) * a->ld_add + n0 + v * VLEN)));
-                }
+                if (a->add)
+                    out = round_bf16(VADD(widen_bf16(out), load_bf16((const uint16_t *)a->add + (m0 + m) * a->ld_add + n0 + v * VLEN)));
                 _mm256_storeu_si256((__m256i *)(y + v * VLEN), out);
             }
             continue;
@@ -281,9 +283,6 @@ static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int pref
 #endif
 #if MR_MAX > 6
         TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
-#endif
-#if MR_MAX > 12
-        TILE_CASE(13) TILE_CASE(14)
 #endif
         default: break;
     }

@@ -73,12 +73,18 @@ def max_rows(dtype: torch.dtype = torch.float32) -> int:
 PANEL_COLS, K_ALIGN = 32, 8
 
 
+def k_group(dtype: torch.dtype) -> int:
+    """Inputs (k) kept together per output in a panel: 2 for bf16 (AVX512-BF16 multiplies pairs), 1
+    for fp32."""
+    return 2 if dtype == torch.bfloat16 else 1
+
+
 @dataclass(frozen=True, eq=False)
 class PanelWeight:
     """A linear weight ``[out_features, in_features]`` in the kernel's column-panel layout (see
     ``small_gemm.c``), zero-padded to whole panels and to a multiple of :data:`K_ALIGN` columns:
-    ``data`` is ``[panels, K, 32]`` for fp32 (each k's 32 weights side by side) and ``[panels,
-    K / 2, 32, 2]`` for bf16 (each output's pair of k side by side), so each panel is one
+    ``data`` is ``[panels, K / g, 32, g]`` with ``g`` from :func:`k_group` (fp32: each k's 32
+    weights side by side; bf16: each output's pair of k side by side), so each panel is one
     sequential stream. Made by :func:`pack_weight`; :meth:`dense` gives the plain weight back, bit
     for bit."""
 
@@ -92,11 +98,7 @@ class PanelWeight:
 
     def dense(self) -> torch.Tensor:
         """The ``[out_features, in_features]`` weight this was packed from (a new tensor)."""
-        panels = self.data.shape[0]
-        if self.data.dim() == 3:
-            full = self.data.permute(0, 2, 1).reshape(panels * PANEL_COLS, -1)
-        else:
-            full = self.data.permute(0, 2, 1, 3).reshape(panels * PANEL_COLS, -1)
+        full = self.data.permute(0, 2, 1, 3).reshape(self.data.shape[0] * PANEL_COLS, -1)
         return full[: self.out_features, : self.in_features].contiguous()
 
 
@@ -108,10 +110,8 @@ def pack_weight(weight: torch.Tensor) -> PanelWeight:
     if (rows, cols) != (n, k):
         padded = weight.new_zeros(rows, cols)
         padded[:n, :k] = weight.detach()
-    if weight.dtype == torch.bfloat16:
-        data = padded.view(rows // PANEL_COLS, PANEL_COLS, cols // 2, 2).permute(0, 2, 1, 3).contiguous()
-    else:
-        data = padded.view(rows // PANEL_COLS, PANEL_COLS, cols).permute(0, 2, 1).contiguous()
+    group = k_group(weight.dtype)
+    data = padded.view(rows // PANEL_COLS, PANEL_COLS, cols // group, group).permute(0, 2, 1, 3).contiguous()
     return PanelWeight(data, n, k)
 
 

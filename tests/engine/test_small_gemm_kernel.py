@@ -237,8 +237,8 @@ def test_panel_layout_round_trips(dtype: torch.dtype, n_out: int, k_in: int) -> 
         if k_in > 1:
             assert torch.equal(packed.data[0, 0, : min(n_out, 32), 1], w[:32, 1])
     else:
-        assert packed.data.shape == (panels, k_padded, 32)
-        assert torch.equal(packed.data[0, k_in - 1, : min(n_out, 32)], w[:32, k_in - 1])
+        assert packed.data.shape == (panels, k_padded, 32, 1)
+        assert torch.equal(packed.data[0, k_in - 1, : min(n_out, 32), 0], w[:32, k_in - 1])
     assert torch.equal(packed.dense(), w)
     assert int((packed.data != 0).sum()) == int((w != 0).sum())  # the padding holds zeros
     assert torch.equal(small_gemm.pack_weight(w.t().contiguous().t()).dense(), w)
