@@ -9,13 +9,33 @@ context, which it finds through ``forward_batch.req_to_token``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from framework.executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class NativeDecodeAttention:
+    """A backend's decode attention as a C function, for a fused decode step that runs every
+    layer in one C call (:mod:`framework.models.fused_decode`).
+
+    ``function`` is the address of a ``plugserve_decode_attention_fn``
+    (``framework/kernels/decode_abi.h``): ``fn(ctx, layer, q, k, v, out)`` stores layer ``layer``'s
+    new K/V (``layer`` indexes the ``layers`` given to :meth:`AttentionBackend.native_decode`) and
+    writes its attention output, exactly what :meth:`AttentionBackend.forward_decode` would for
+    contiguous ``q``/``k``/``v`` of the model's dtype, returning 0 or a non-zero status. ``context``
+    is the address of what ``fn`` reads as ``ctx``; ``keepalive`` holds every object that memory
+    belongs to until the step is over."""
+
+    function: int
+    context: int
+    keepalive: Any = None
 
 
 class AttentionBackend(ABC):
@@ -85,6 +105,16 @@ class AttentionBackend(ABC):
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """One new token per request attends to its whole context."""
+
+    def native_decode(self, forward_batch: ForwardBatch, layers: Sequence[Attention],
+                      dtype: torch.dtype) -> NativeDecodeAttention | None:
+        """This decode batch's attention over ``layers`` (in order) as a C function, or None (the
+        default) when the backend has none or cannot take this batch: the model then calls
+        :meth:`forward` per layer as usual. Called after :meth:`init_forward_metadata`, once per
+        step, only for decode batches on CPU whose q, k, v are contiguous ``dtype`` rows. A
+        backend that returns one must store K/V and attend exactly as :meth:`forward_decode`
+        does, bit for bit: the fused step is an optimisation, never a different result."""
+        return None
 
     # --- CUDA-graph hooks ---------------------------------------------------------------------
     # Used by framework.executor.cuda_graph_runner, only for a backend registered with

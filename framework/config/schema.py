@@ -93,6 +93,11 @@ class DeviceConfig:
     on a second copy of the linear weights in its own panel layout; 1.1-1.5x faster there than
     oneDNN on the 2-core test hosts), onednn (the packed weights alone), or auto (kernel when the
     copy takes at most a quarter of the memory available at load time)."""
+    cpu_fused_decode: bool = True
+    """Decode steps that run the small-GEMM kernel (``cpu_small_gemm``) run all decoder layers of a
+    Llama-family model in one C call when the attention backend offers its decode attention to C
+    (``cpu_paged`` does): the same kernels and results, without ~2 ms of per-layer Python work per
+    step on a 2-core host. false: layer by layer through the modules."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ from framework.models.cpu_linear import (
     packable_dtypes,
     small_gemm_extra_bytes,
 )
+from framework.models.fused_decode import enable_fused_decode
 from framework.models.loader import build_model, config_dtype, load_hf_config, resolve_dtype
 from framework.plugins import get_registry
 
@@ -90,6 +91,9 @@ class ModelRunner:
         self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
         """The model takes ``[3, num_tokens]`` M-RoPE positions (Qwen2-VL family)."""
         self.linear_impl = self._pack_cpu_linears(settings.device.cpu_linear.value)
+        # Decoder stacks that can run a decode step's layers in one C call (they check per step).
+        self.fused_decode = bool(self.small_gemm and settings.device.cpu_fused_decode
+                                 and enable_fused_decode(self.model))
         self.weights = ModelWeights(self.model, model_comp.factory, model_options, self.hf_config, self.dtype,
                                     packed=self.linear_impl == "onednn", saver=self.memory_saver,
                                     small_gemm=self.small_gemm)
@@ -263,6 +267,7 @@ class ModelRunner:
             "memory_pool": self.settings.memory_pool.name,
             "cpu_linear": self.linear_impl,
             "cpu_small_gemm": self.small_gemm,
+            "cpu_fused_decode": self.fused_decode,
             "memory_saver": self.memory_saver.name,
             "tp_size": self.tp.size,
             "kv_heads_per_rank": self.kv_heads,

@@ -17,7 +17,10 @@ The kit builds its own paged KV cache, request table (rows pre-filled with stale
 handed out in shuffled order) and :class:`ForwardBatch` objects, drives the backend through three
 scenarios, and compares every output with ``scaled_dot_product_attention`` in float64 over each
 request's contiguous K/V history. It also checks that the new K/V landed in the cache at the slots
-the request table names. The scenarios:
+the request table names. A backend that offers its decode attention to C
+(:meth:`~framework.attention.base.AttentionBackend.native_decode`) has every decode step's layers
+run through that function too, on the same q/k/v: its outputs must equal ``forward``'s bit for bit.
+The scenarios:
 
 - ``extend``: one batch of fresh prompts of mixed lengths (1 .. 33 tokens, crossing pages), three of
   them of equal length next to each other (backends may batch those);
@@ -34,6 +37,7 @@ plus the half types the device supports), each with its own tolerance.
 
 from __future__ import annotations
 
+import ctypes
 import random
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -44,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from framework.attention.base import Attention, AttentionBackend
+from framework.attention.base import Attention, AttentionBackend, NativeDecodeAttention
 from framework.executor.forward_batch import ForwardBatch, ForwardMode
 from framework.memory.kv_cache import KVCache
 
@@ -119,16 +123,23 @@ class CaseResult:
     tolerance: float
     error: str | None = None
     """The exception the backend raised, if it raised; the case then fails."""
+    native_checked: int = 0
+    """Layer outputs of the backend's ``native_decode`` function compared with ``forward``'s."""
+    native_mismatches: int = 0
+    """Of those, how many were not bitwise equal (any fails the case)."""
 
     @property
     def passed(self) -> bool:
         # NaN compares False, so a NaN anywhere fails the case.
-        return self.error is None and self.max_abs_err <= self.tolerance and self.cache_max_abs_err <= self.tolerance
+        return (self.error is None and self.max_abs_err <= self.tolerance and self.cache_max_abs_err <= self.tolerance
+                and self.native_mismatches == 0)
 
     def __str__(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
         line = f"{verdict}  {self.case!s:<40} max_abs_err={self.max_abs_err:.3g} "
         line += f"cache_err={self.cache_max_abs_err:.3g} tol={self.tolerance:.3g}"
+        if self.native_checked:
+            line += f" native_decode_mismatches={self.native_mismatches}/{self.native_checked}"
         return line + (f"  raised: {self.error.splitlines()[-1]}" if self.error else "")
 
 
@@ -197,6 +208,8 @@ class _Harness:
         self.backend = factory(runner, options)
         self.max_err = 0.0
         self.cache_err = 0.0
+        self.native_checked = 0
+        self.native_mismatches = 0
 
     def _t(self, values: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(list(values), dtype=dtype, device=self.device)
@@ -247,15 +260,23 @@ class _Harness:
         """One forward of every layer on random q/k/v; fold the errors into the running maxima."""
         fb = self._batch(mode, rows, new_lens)
         self.backend.init_forward_metadata(fb)
+        native = None
+        if mode.is_decode() and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+            native = self.backend.native_decode(fb, self.layers, self.dtype)
         case, n = self.case, sum(new_lens)
         h, hkv, d = case.num_heads, case.num_kv_heads, case.head_dim
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             q, k, v = (
                 torch.randn(n, heads * d, generator=self.gen).to(self.dtype).to(self.device) for heads in (h, hkv, hkv)
             )
             out = self.backend.forward(q, k, v, layer, fb)
             if tuple(out.shape) != (n, h * d) and tuple(out.shape) != (n, h, d):
                 raise AssertionError(f"output shape {tuple(out.shape)}, expected {(n, h * d)}")
+            if native is not None:
+                # Stores the same K/V again, then attends: the same output, bit for bit.
+                self.native_checked += 1
+                if not torch.equal(call_native_decode(native, index, q, k, v), out.reshape(n, h * d)):
+                    self.native_mismatches += 1
             out = out.reshape(n, h, d).detach().to("cpu", torch.float64)
             start = 0
             for row, m in zip(rows, new_lens, strict=True):
@@ -281,6 +302,23 @@ class _Harness:
             got_k = k_buf[slots].to("cpu", torch.float64)
             got_v = v_buf[slots].to("cpu", torch.float64)
             self.cache_err = max(self.cache_err, _max_abs(got_k, full_k), _max_abs(got_v, full_v))
+
+
+_NATIVE_DECODE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
+def call_native_decode(native: NativeDecodeAttention, layer: int, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> torch.Tensor:
+    """Call a backend's ``native_decode`` function for layer index ``layer`` from Python (what the
+    fused decode step does in C); returns its output ``[rows, q's width]``."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    status = _NATIVE_DECODE_FN(native.function)(native.context, layer, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                out.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"native decode attention of layer {layer} returned status {status}")
+    return out
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -358,8 +396,9 @@ def check_case(
         _run_scenario(hx, case.scenario)
     except Exception:
         err = traceback.format_exc()
-        return CaseResult(case, hx.max_err if hx else float("nan"), hx.cache_err if hx else float("nan"), tol, err)
-    return CaseResult(case, hx.max_err, hx.cache_err, tol)
+        return CaseResult(case, hx.max_err if hx else float("nan"), hx.cache_err if hx else float("nan"), tol, err,
+                          hx.native_checked if hx else 0, hx.native_mismatches if hx else 0)
+    return CaseResult(case, hx.max_err, hx.cache_err, tol, None, hx.native_checked, hx.native_mismatches)
 
 
 def run_conformance(

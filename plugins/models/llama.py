@@ -23,6 +23,7 @@ from torch import nn
 
 from framework.attention.base import Attention
 from framework.models.cpu_linear import linear_add
+from framework.models.fused_decode import FusableDecoderLayer, FusableDecoderStack
 from framework.models.layers import (
     FusableSwiGLU,
     RMSNorm,
@@ -120,8 +121,9 @@ class LlamaMLP(nn.Module, FusableSwiGLU):
         return linear_add(self.down_proj, self.act(self.gate_up_proj(x)), residual)
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block, each with a residual add."""
+class LlamaDecoderLayer(nn.Module, FusableDecoderLayer):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual add (a fused decode
+    step may run it in C: :mod:`framework.models.fused_decode`)."""
 
     def __init__(self, config: Any, layer_id: int, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
@@ -141,8 +143,12 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.self_attn(self.input_layernorm(hidden_states), cos_sin, forward_batch, hidden_states)
         return self.mlp(self.post_attention_layernorm(hidden_states), hidden_states)
 
+    def fused_decode_supported(self) -> bool:
+        """Not when the attention transforms q and k before RoPE (Qwen3's per-head norms)."""
+        return type(self.self_attn).qk_transform is LlamaAttention.qk_transform
 
-class LlamaModel(nn.Module):
+
+class LlamaModel(nn.Module, FusableDecoderStack):
     """Embedding, decoder layers and final norm (the HF ``model.`` prefix)."""
 
     def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
@@ -158,9 +164,18 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.get_cos_sin(positions, hidden_states.dtype)
+        return self.norm(self.run_layers(hidden_states, cos_sin, forward_batch))
+
+    def run_layers(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                   forward_batch: ForwardBatch) -> torch.Tensor:
+        """The decoder layers: in one C call at a decode step the fused decoder takes, else module by module."""
+        if self.fused_decoder is not None:
+            fused = self.fused_decoder.run(self.layers, hidden_states, cos_sin, forward_batch)
+            if fused is not None:
+                return fused
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos_sin, forward_batch)
-        return self.norm(hidden_states)
+        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):

@@ -84,9 +84,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         if forward_batch.mm_inputs is not None and forward_batch.mode.is_extend():
             self._place_images(hidden, forward_batch)
         cos_sin = self.model.rotary_emb.get_cos_sin(positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer(hidden, cos_sin, forward_batch)
-        return self.model.norm(hidden)
+        return self.model.norm(self.model.run_layers(hidden, cos_sin, forward_batch))
 
     def _place_images(self, hidden: torch.Tensor, fb: ForwardBatch) -> None:
         """Write each image's embedding rows that fall in this step's tokens over ``hidden``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from framework.attention.base import Attention
 from framework.attention.paged_sdpa import ExtendRequest
 from framework.testing.attention_conformance import (
     SCENARIOS,
@@ -14,6 +15,7 @@ from framework.testing.attention_conformance import (
     conformance_cases,
     run_conformance,
 )
+from plugins.attention.cpu_paged.backend import CpuPagedAttnBackend
 from plugins.attention.torch_native import TorchNativeAttnBackend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -63,7 +65,34 @@ def test_cpu_paged_passes_the_whole_grid() -> None:
     assert len(report.results) == len(SCENARIOS) * 2 * 3 * 2 * 3
     decode_fp32 = [r for r in report.results if r.case.scenario == "decode" and r.case.dtype == torch.float32]
     assert decode_fp32 and all(r.max_abs_err < 1e-5 for r in decode_fp32)
+    # Its native_decode (the fused decode step's attention) ran beside forward on every fp32 and
+    # bf16 decode case, 4 decode steps x 2 layers each, equal bit for bit; fp16 has none.
+    for r in report.results:
+        native = r.case.scenario == "decode" and r.case.dtype in (torch.float32, torch.bfloat16)
+        assert r.native_checked == (8 if native else 0) and r.native_mismatches == 0, r
     print(report)
+
+
+class SkewedNativeDecodeBackend(CpuPagedAttnBackend):
+    """Broken on purpose: its native decode function runs with a slightly different scale."""
+
+    def native_decode(self, forward_batch, layers, dtype):
+        skewed = [Attention(a.num_heads, a.head_dim, a.scaling * 1.001, a.num_kv_heads, a.layer_id) for a in layers]
+        return super().native_decode(forward_batch, skewed, dtype)
+
+
+def test_a_native_decode_that_differs_from_forward_fails() -> None:
+    """A native function off by a 0.1% scale (an error far inside the SDPA tolerance) fails: the
+    kit wants the fused step's attention bitwise equal to forward's."""
+    cases = conformance_cases(dtypes=[torch.float32], scenarios=["decode", "extend"], page_sizes=[16],
+                              head_layouts=[(8, 2)], head_dims=[64])
+    report = run_conformance(lambda runner, options: SkewedNativeDecodeBackend(runner), cases=cases)
+    by_scenario = {r.case.scenario: r for r in report.results}
+    assert by_scenario["extend"].passed
+    decode = by_scenario["decode"]
+    assert not decode.passed and decode.native_mismatches == decode.native_checked == 8
+    assert decode.max_abs_err < 1e-5  # forward itself is right
+    assert "native_decode_mismatches=8/8" in str(report)
 
 
 @pytest.mark.timeout(60)

@@ -21,12 +21,13 @@ always correct and only sometimes fast.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from framework.attention.base import Attention, AttentionBackend
+from framework.attention.base import Attention, AttentionBackend, NativeDecodeAttention
 from framework.attention.paged_sdpa import PagedSDPA, PagedSDPAOptions
 from framework.errors import ConfigError
 from framework.memory.kv_cache import KVCache
@@ -37,6 +38,7 @@ from plugins.attention.cpu_paged.kernel import (
     extend_supported,
     load_extend_kernel,
     load_kernel,
+    native_decode_step,
     paged_decode_attention,
     paged_extend_attention,
 )
@@ -203,3 +205,31 @@ class CpuPagedAttnBackend(AttentionBackend):
         threads = 1 if work < self.single_thread_below else self.num_threads
         paged_decode_attention(q_in, k_cache, v_cache, out, table, meta.rows, meta.lens, layer.scaling, threads, new_kv)
         return out.view(bs, layer.num_heads * layer.head_dim).to(q.dtype)
+
+    def native_decode(self, forward_batch: ForwardBatch, layers: Sequence[Attention],
+                      dtype: torch.dtype) -> NativeDecodeAttention | None:
+        """The decode kernel as ``paged_decode_layer`` (``decode_kernel.c``), when every layer
+        would take the kernel path of :meth:`forward_decode` with the kernel storing K/V itself:
+        fp32 or bf16 rows, a fp32 or bf16 cache in a pool without its own ``store``, int32 page
+        table and int64 slots, layers of one shape and scale."""
+        meta = forward_batch.attn_metadata
+        cache, table, loc = forward_batch.kv_cache, forward_batch.req_to_token, forward_batch.out_cache_loc
+        if not isinstance(meta, _DecodeMeta) or dtype not in (torch.float32, torch.bfloat16) or not layers:
+            return None
+        if type(cache).store is not KVCache.store or table.dtype != torch.int32 or not table.is_contiguous():
+            return None
+        if loc.dtype != torch.int64 or not loc.is_contiguous():
+            return None
+        first = layers[0]
+        shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
+        if any((a.num_heads, a.num_kv_heads, a.head_dim, a.scaling) != shape for a in layers):
+            return None
+        caches = [cache.get_kv(a.layer_id) for a in layers]
+        kv_dtype = caches[0][0].dtype
+        if kv_dtype not in KV_DTYPES or any(k.dtype != kv_dtype or v.dtype != kv_dtype or not (k.is_contiguous()
+                                            and v.is_contiguous()) for k, v in caches):
+            return None
+        work = meta.total_tokens * first.num_kv_heads * first.head_dim
+        threads = 1 if work < self.single_thread_below else self.num_threads
+        return native_decode_step(caches, table, meta.rows, meta.lens, loc, first.num_heads, first.scaling, threads,
+                                  bf16=dtype == torch.bfloat16)

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "cpu_float.h"
+#include "decode_abi.h"
 
 /* Tokens [t0, t1) of request b. part < 0: the unit is the whole request and writes its normalised
  * output to `out`; else it writes partial results (see partial_t) to slot `part`. */
@@ -352,6 +353,28 @@ int paged_decode_attention(const void *q, void *k, void *v, void *out, const int
         for (int64_t i = 0; i < n; ++i) ((uint16_t *)out)[i] = float_to_bf16(of[i]);
     free(qf);
     return status;
+}
+
+/* The batch's side of paged_decode_attention for the fused decode step (decode_abi.h): everything
+ * but the layer's q, k, v and output, prepared once per step by backend.py's native_decode. */
+typedef struct {
+    void *const *k_caches; /* per layer given to native_decode, [slots, kv_heads, head_dim] */
+    void *const *v_caches;
+    const int32_t *table;
+    int64_t table_stride;
+    const int64_t *rows, *lens, *loc;
+    int64_t bs, num_heads, kv_heads, head_dim;
+    float scale;
+    int64_t num_threads, kv_bf16, num_slots, bf16; /* bf16: q, k, v and out are bf16 (else fp32) */
+} paged_decode_step;
+
+/* A plugserve_decode_attention_fn: store layer `layer`'s new K/V at loc and attend, exactly the
+ * call forward_decode makes for that layer. */
+int paged_decode_layer(const void *ctx, int64_t layer, const void *q, const void *k, const void *v, void *out) {
+    const paged_decode_step *s = (const paged_decode_step *)ctx;
+    return paged_decode_attention(q, s->k_caches[layer], s->v_caches[layer], out, s->table, s->table_stride, s->rows,
+                                  s->lens, s->bs, s->num_heads, s->kv_heads, s->head_dim, s->scale, s->num_threads,
+                                  s->kv_bf16, k, v, s->loc, s->num_slots, s->bf16, s->bf16);
 }
 
 /* 1 when built with OpenMP (threads come from the process's OpenMP runtime), 0 for pthreads. */

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
+from framework.attention.base import NativeDecodeAttention
 from framework.kernels.build import KernelUnavailable, build_and_load, compiler
 
 __all__ = ["KV_DTYPES", "KernelUnavailable", "compiler", "extend_supported", "kernel_threading", "load_extend_kernel",
-           "load_kernel", "paged_decode_attention", "paged_extend_attention"]
+           "load_kernel", "native_decode_step", "paged_decode_attention", "paged_extend_attention"]
 
 SOURCE = Path(__file__).with_name("decode_kernel.c")
 EXTEND_SOURCE = Path(__file__).with_name("extend_kernel.c")
@@ -51,6 +52,39 @@ def load_extend_kernel() -> ctypes.CDLL:
     lib.paged_extend_attention.argtypes = [p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64]
     lib.paged_extend_attention.restype = ctypes.c_int
     return lib
+
+
+class PagedDecodeStep(ctypes.Structure):
+    """``paged_decode_step`` of ``decode_kernel.c``: a batch's arguments of the decode kernel but
+    each layer's q, k, v and output."""
+
+    _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p), ("table", ctypes.c_void_p),
+                ("table_stride", ctypes.c_int64), ("rows", ctypes.c_void_p), ("lens", ctypes.c_void_p),
+                ("loc", ctypes.c_void_p), ("bs", ctypes.c_int64), ("num_heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("scale", ctypes.c_float),
+                ("num_threads", ctypes.c_int64), ("kv_bf16", ctypes.c_int64), ("num_slots", ctypes.c_int64),
+                ("bf16", ctypes.c_int64)]
+
+
+def native_decode_step(caches: list[tuple[torch.Tensor, torch.Tensor]], req_to_token: torch.Tensor,
+                       rows: torch.Tensor, lens: torch.Tensor, loc: torch.Tensor, num_heads: int, scale: float,
+                       num_threads: int, bf16: bool) -> NativeDecodeAttention:
+    """``paged_decode_layer`` and its batch context for the fused decode step: layer ``i`` reads
+    and writes ``caches[i]`` (K, V ``[slots, kv_heads, head_dim]``, contiguous, one dtype), the new
+    K/V go to slots ``loc``; q, k, v and the output are bf16 when ``bf16``, else fp32. The caller
+    (the backend) checked the dtypes and layouts, as :func:`paged_decode_attention` does."""
+    k0 = caches[0][0]
+    _check((("req_to_token", req_to_token, torch.int32), ("rows", rows, torch.int64), ("lens", lens, torch.int64),
+            ("loc", loc, torch.int64)))
+    k_ptrs = (ctypes.c_void_p * len(caches))(*(k.data_ptr() for k, _ in caches))
+    v_ptrs = (ctypes.c_void_p * len(caches))(*(v.data_ptr() for _, v in caches))
+    step = PagedDecodeStep(
+        ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs), req_to_token.data_ptr(), req_to_token.shape[1],
+        rows.data_ptr(), lens.data_ptr(), loc.data_ptr(), rows.shape[0], num_heads, k0.shape[1], k0.shape[2],
+        float(scale), num_threads, int(k0.dtype == torch.bfloat16), k0.shape[0], int(bf16))
+    fn = ctypes.cast(load_kernel().paged_decode_layer, ctypes.c_void_p).value or 0
+    return NativeDecodeAttention(fn, ctypes.addressof(step),
+                                 (step, k_ptrs, v_ptrs, caches, req_to_token, rows, lens, loc))
 
 
 def extend_supported(head_dim: int) -> bool:

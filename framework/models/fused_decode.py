@@ -1,0 +1,213 @@
+"""Decode steps on CPU with every decoder layer in one C call (:mod:`framework.kernels.decode_layers`).
+
+At a decode step of a few rows each layer's kernels take microseconds, and calling them one by one
+through modules and ctypes wrappers cost ~2 ms a step at batch 1 on the 2-core Zen 4 host (of
+~11 ms in bf16). A model whose decoder stack declares :class:`FusableDecoderStack` (the Llama
+family) gets a :class:`FusedDecoder` from the model runner (``device.cpu_fused_decode``); at a
+decode step it runs the layers in one call when everything it needs holds, and otherwise returns
+None so the model runs its modules:
+
+- every layer declares :class:`FusableDecoderLayer` and says it is fusable (Qwen3's per-head q/k
+  norms are not in the C chain), with packed linears carrying the small-GEMM kernel's weight copy
+  (``device.cpu_small_gemm``), a fused SwiGLU and no tensor-parallel collective;
+- the rows fit the small-GEMM kernel (:func:`framework.kernels.small_gemm.max_rows`), so the
+  module path would also have run it;
+- the attention backend hands over its decode attention as a C function
+  (:meth:`framework.attention.base.AttentionBackend.native_decode`; ``cpu_paged`` does).
+
+The chain computes what the modules compute, bit for bit (tests compare the logits of both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from framework.kernels import decode_layers, small_gemm
+from framework.models.cpu_linear import PackedLinear, PackedSwiGLU
+from framework.models.layers import RMSNorm
+
+if TYPE_CHECKING:
+    from framework.executor.forward_batch import ForwardBatch
+
+
+class FusableDecoderLayer:
+    """Declares a decoder layer's opt-in to :class:`FusedDecoder`: it computes, with ``x`` its input,
+
+    ``x = x + o_proj(attn(rope(split(qkv_proj(input_layernorm(x))))))`` then
+    ``x = x + down_proj(act(gate_up_proj(post_attention_layernorm(x))))``,
+
+    through those attributes (``self_attn.qkv_proj``, ``self_attn.o_proj``, ``self_attn.attn``,
+    ``self_attn.q_size`` / ``kv_size`` / ``head_dim``, ``mlp.gate_up_proj``, ``mlp.down_proj``,
+    :class:`~framework.models.layers.RMSNorm` norms), rope from the model's ``cos_sin`` and
+    nothing else in between."""
+
+    def fused_decode_supported(self) -> bool:
+        """False when this layer does something the fused chain does not (a subclass's extra op)."""
+        return True
+
+
+class FusableDecoderStack:
+    """Declares a decoder stack whose ``forward`` offers its decode steps to ``fused_decoder``
+    (None until the model runner enables it)."""
+
+    fused_decoder: FusedDecoder | None = None
+
+
+def enable_fused_decode(model: nn.Module) -> int:
+    """Give every :class:`FusableDecoderStack` in ``model`` a :class:`FusedDecoder`; return how many."""
+    stacks = [m for m in model.modules() if isinstance(m, FusableDecoderStack)]
+    for stack in stacks:
+        stack.fused_decoder = FusedDecoder()
+    return len(stacks)
+
+
+class _Plan:
+    """One model's layer weights in the C layout, valid while its modules are these."""
+
+    def __init__(self, weights: ctypes.Array, dtype: torch.dtype, shape: dict[str, int]) -> None:
+        self.weights, self.dtype, self.shape = weights, dtype, shape
+
+
+def _layer_modules(layer: Any) -> tuple[Any, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, layer.input_layernorm,
+            layer.post_attention_layernorm)
+
+
+class _Fingerprint:
+    """The modules a plan's pointers come from (weakly: a plan must not keep released weights
+    alive) and their weights' addresses. A weight update repacks into new modules; a released and
+    resumed weight may come back elsewhere; either makes the plan stale."""
+
+    def __init__(self, layers: Sequence[Any]) -> None:
+        self.modules = [m for layer in layers for m in _layer_modules(layer)]
+        self.refs: list[weakref.ref] = []
+        self.addresses = [_weight_address(m) for m in self.modules]
+
+    def same(self, other: _Fingerprint) -> bool:
+        return (len(self.refs) == len(other.modules) and self.addresses == other.addresses
+                and all(ref() is m for ref, m in zip(self.refs, other.modules, strict=True)))
+
+    def forget_modules(self) -> _Fingerprint:
+        """Keep only weak references (what a cached fingerprint holds)."""
+        self.refs, self.modules = [weakref.ref(m) for m in self.modules], []
+        return self
+
+
+def _weight_address(module: Any) -> int | None:
+    weight = getattr(module, "small_weight", None)
+    tensor = weight.data if weight is not None else getattr(module, "weight", None)
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _build_plan(layers: Sequence[Any]) -> _Plan | None:
+    """The plan of ``layers``, or None when one of them cannot run fused."""
+    if not layers:
+        return None
+    first = layers[0]
+    attn0 = first.self_attn
+    dtype = attn0.qkv_proj.small_weight.dtype if isinstance(attn0.qkv_proj, PackedLinear) and \
+        attn0.qkv_proj.small_weight is not None else None
+    if dtype is None or decode_layers.kernels(dtype) is None:
+        return None
+    hidden = first.input_layernorm.weight.shape[0]
+    shape = {"hidden": hidden, "heads": attn0.attn.num_heads, "kv_heads": attn0.attn.num_kv_heads,
+             "head_dim": attn0.head_dim, "intermediate": first.mlp.gate_up_proj.out_features}
+    weights = (decode_layers.DecodeLayerWeights * len(layers))()
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, FusableDecoderLayer) or not layer.fused_decode_supported():
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        if not (isinstance(qkv, PackedLinear) and isinstance(o, PackedLinear) and isinstance(down, PackedLinear)
+                and isinstance(gate_up, PackedSwiGLU) and gate_up.small_swiglu):
+            return None
+        if any(m.small_weight is None or m.small_weight.dtype != dtype or m.output_op is not None
+               for m in (qkv, o, down)):
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
+            return None
+        q_size, kv_size = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+        layer_shape = {"hidden": norms[0].weight.shape[0], "heads": attn.attn.num_heads,
+                       "kv_heads": attn.attn.num_kv_heads, "head_dim": attn.head_dim,
+                       "intermediate": gate_up.out_features}
+        sizes_ok = (qkv.in_features == hidden and qkv.out_features == q_size + 2 * kv_size
+                    and o.in_features == q_size and o.out_features == hidden and gate_up.in_features == hidden
+                    and down.in_features == gate_up.out_features and down.out_features == hidden
+                    and (attn.q_size, attn.kv_size) == (q_size, kv_size))
+        if layer_shape != shape or not sizes_ok:
+            return None
+        weights[i] = decode_layers.DecodeLayerWeights(
+            _ptr(norms[0].weight), _ptr(norms[1].weight), norms[0].eps, norms[1].eps,
+            _ptr(qkv.small_weight.data), _ptr(qkv.bias), _ptr(o.small_weight.data), _ptr(o.bias),
+            _ptr(gate_up.small_weight.data), _ptr(gate_up.small_bias), _ptr(down.small_weight.data), _ptr(down.bias))
+    return _Plan(weights, dtype, shape)
+
+
+class FusedDecoder:
+    """Runs a decoder stack's layers in one C call at decode steps it can take (module notes)."""
+
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+        self._fingerprint: _Fingerprint | None = None
+        self.fused_steps = 0
+        """Forwards run fused (tests and benchmarks read it)."""
+
+    def plan(self, layers: Sequence[Any]) -> _Plan | None:
+        """The plan for ``layers``, rebuilt when their modules or weight memory changed."""
+        if not all(isinstance(x, FusableDecoderLayer) for x in layers):
+            return None
+        current = _Fingerprint(layers)
+        if self._fingerprint is None or not self._fingerprint.same(current):
+            self._plan, self._fingerprint = _build_plan(layers), current.forget_modules()
+        return self._plan
+
+    def run(self, layers: Sequence[Any], hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+            forward_batch: ForwardBatch) -> torch.Tensor | None:
+        """The hidden states after ``layers`` (before the final norm), or None: run the modules."""
+        if not forward_batch.mode.is_decode() or hidden.dim() != 2 or not hidden.is_cpu:
+            return None
+        if torch.is_grad_enabled():
+            return None
+        plan = self.plan(layers)
+        rows = hidden.shape[0]
+        if plan is None or hidden.dtype != plan.dtype or rows == 0 or rows > small_gemm.max_rows(plan.dtype):
+            return None
+        cos, sin = cos_sin
+        rot = cos.shape[-1]
+        if not (cos.dtype == sin.dtype == plan.dtype and cos.shape == sin.shape == (rows, 1, rot)
+                and cos.stride() == sin.stride() and cos.stride(2) == 1):
+            return None
+        native = forward_batch.attn_backend.native_decode(
+            forward_batch, [layer.self_attn.attn for layer in layers], plan.dtype)
+        if native is None:
+            return None
+        shape, dtype = plan.shape, plan.dtype
+        q_size, kv_size = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+        x_in = hidden.contiguous()
+        x, x_mid, normed = (torch.empty(rows, shape["hidden"], dtype=dtype) for _ in range(3))
+        qkv = torch.empty(rows, q_size + 2 * kv_size, dtype=dtype)
+        q, attn_out = torch.empty(rows, q_size, dtype=dtype), torch.empty(rows, q_size, dtype=dtype)
+        k, v = torch.empty(rows, kv_size, dtype=dtype), torch.empty(rows, kv_size, dtype=dtype)
+        act = torch.empty(rows, shape["intermediate"], dtype=dtype)
+        step = decode_layers.DecodeStep(
+            rows, shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["intermediate"], rot,
+            torch.get_num_threads(), int(dtype == torch.bfloat16), x_in.data_ptr(), x.data_ptr(), x_mid.data_ptr(),
+            normed.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), attn_out.data_ptr(),
+            act.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0), native.function, native.context)
+        kernel_set = decode_layers.kernels(dtype)
+        assert kernel_set is not None  # the plan exists only where the kernels do
+        decode_layers.run(kernel_set, plan.weights, step)
+        self.fused_steps += 1
+        return x
