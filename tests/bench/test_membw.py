@@ -74,6 +74,10 @@ def test_decode_bound_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     moved = result["weight_bytes_per_token"] + result["kv_bytes_per_token"]
     assert result["achieved_gb_s"] == pytest.approx(moved / step_s / 1e9, rel=0.03)
     assert result["fraction_of_bound"] == pytest.approx(result["achieved_gb_s"] / result["read_bound_gb_s"], rel=0.03)
+    # Three rounds (the default), each a bound and a step back to back; the median round reported.
+    fractions = result["round_fractions"]
+    assert len(fractions) == len(result["round_steps_ms"]) == len(result["round_bounds_gb_s"]) == 3
+    assert result["fraction_of_bound"] == sorted(fractions)[1]
     assert json.loads(out.read_text().splitlines()[-1])["kind"] == "decode-bound"
 
 
