@@ -123,7 +123,10 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(e2e, http: httpx.Client, rout
 def test_disconnect_while_waiting_non_stream(e2e, http: httpx.Client) -> None:
     before = _metric(http.get("/metrics").text, "plugserve_requests_total{finish_reason=\"abort\"}")
     body = {"text": "another long story", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
-    with httpx.Client(base_url=e2e.url, headers=e2e.headers(), timeout=httpx.Timeout(30, read=0.5)) as client:
+    # The client gives up long before 900 tokens can be ready: each decode step costs at least
+    # ~0.3 ms of scheduler and Python work even on the tiny model (0.5 s was once enough margin,
+    # until fused decode steps made the tiny model finish 900 tokens inside it on a fast minute).
+    with httpx.Client(base_url=e2e.url, headers=e2e.headers(), timeout=httpx.Timeout(30, read=0.1)) as client:
         start = time.monotonic()
         with pytest.raises(httpx.ReadTimeout):
             client.post("/generate", json=body)
