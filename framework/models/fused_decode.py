@@ -97,10 +97,11 @@ def enable_fused_decode(model: nn.Module) -> int:
 
 
 class _Plan:
-    """One model's layer weights in the C layout, valid while its modules are these."""
+    """One model's layer weights in the C layout, its kernels and shapes."""
 
-    def __init__(self, weights: ctypes.Array, dtype: torch.dtype, shape: dict[str, int]) -> None:
-        self.weights, self.dtype, self.shape = weights, dtype, shape
+    def __init__(self, weights: ctypes.Array, kernels: decode_layers.DecodeKernels, dtype: torch.dtype,
+                 shape: dict[str, int]) -> None:
+        self.weights, self.kernels, self.dtype, self.shape = weights, kernels, dtype, shape
 
 
 def _layer_modules(layer: Any) -> tuple[Any, ...]:
@@ -109,49 +110,51 @@ def _layer_modules(layer: Any) -> tuple[Any, ...]:
             layer.post_attention_layernorm)
 
 
-class _Fingerprint:
-    """The modules a plan's pointers come from (weakly: a plan must not keep released weights
-    alive) and their weights' addresses. A weight update repacks into new modules; a released and
-    resumed weight may come back elsewhere; either makes the plan stale."""
-
-    def __init__(self, layers: Sequence[Any]) -> None:
-        self.modules = [m for layer in layers for m in _layer_modules(layer)]
-        self.refs: list[weakref.ref] = []
-        self.addresses = [_weight_address(m) for m in self.modules]
-
-    def same(self, other: _Fingerprint) -> bool:
-        return (len(self.refs) == len(other.modules) and self.addresses == other.addresses
-                and all(ref() is m for ref, m in zip(self.refs, other.modules, strict=True)))
-
-    def forget_modules(self) -> _Fingerprint:
-        """Keep only weak references (what a cached fingerprint holds)."""
-        self.refs, self.modules = [weakref.ref(m) for m in self.modules], []
-        return self
-
-
 def _weight_address(module: Any) -> int | None:
     weight = getattr(module, "small_weight", None)
     tensor = weight.data if weight is not None else getattr(module, "weight", None)
     return None if tensor is None else tensor.data_ptr()
 
 
+class _Fingerprint:
+    """The modules a plan's pointers come from (held weakly: a plan must not keep released weights
+    alive) and their weights' addresses. A weight update repacks into new modules; a released and
+    resumed weight may come back elsewhere; either makes the plan stale."""
+
+    def __init__(self, modules: list[Any]) -> None:
+        self.refs = [weakref.ref(m) for m in modules]
+        self.addresses = [_weight_address(m) for m in modules]
+
+    def matches(self, modules: list[Any]) -> bool:
+        return (len(self.refs) == len(modules) and all(ref() is m for ref, m in zip(self.refs, modules, strict=True))
+                and self.addresses == [_weight_address(m) for m in modules])
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _layer_shape(layer: Any) -> dict[str, int]:
+    attn = layer.self_attn
+    return {"hidden": layer.input_layernorm.weight.shape[0], "heads": attn.attn.num_heads,
+            "kv_heads": attn.attn.num_kv_heads, "head_dim": attn.head_dim,
+            "intermediate": layer.mlp.gate_up_proj.out_features}
 
 
 def _build_plan(layers: Sequence[Any]) -> _Plan | None:
     """The plan of ``layers``, or None when one of them cannot run fused."""
     if not layers:
         return None
-    first = layers[0]
-    attn0 = first.self_attn
-    dtype = attn0.qkv_proj.small_weight.dtype if isinstance(attn0.qkv_proj, PackedLinear) and \
-        attn0.qkv_proj.small_weight is not None else None
-    if dtype is None or decode_layers.kernels(dtype) is None:
+    first_qkv = layers[0].self_attn.qkv_proj
+    if not isinstance(first_qkv, PackedLinear) or first_qkv.small_weight is None:
         return None
-    hidden = first.input_layernorm.weight.shape[0]
-    shape = {"hidden": hidden, "heads": attn0.attn.num_heads, "kv_heads": attn0.attn.num_kv_heads,
-             "head_dim": attn0.head_dim, "intermediate": first.mlp.gate_up_proj.out_features}
+    dtype = first_qkv.small_weight.dtype
+    kernels = decode_layers.kernels(dtype)
+    if kernels is None:
+        return None
+    shape = _layer_shape(layers[0])
+    hidden, inter = shape["hidden"], shape["intermediate"]
+    q_size, kv_size = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
     weights = (decode_layers.DecodeLayerWeights * len(layers))()
     for i, layer in enumerate(layers):
         if not isinstance(layer, FusableDecoderLayer) or not layer.fused_decode_supported():
@@ -167,21 +170,17 @@ def _build_plan(layers: Sequence[Any]) -> _Plan | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(type(n) is not RMSNorm or n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
             return None
-        q_size, kv_size = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
-        layer_shape = {"hidden": norms[0].weight.shape[0], "heads": attn.attn.num_heads,
-                       "kv_heads": attn.attn.num_kv_heads, "head_dim": attn.head_dim,
-                       "intermediate": gate_up.out_features}
-        sizes_ok = (qkv.in_features == hidden and qkv.out_features == q_size + 2 * kv_size
-                    and o.in_features == q_size and o.out_features == hidden and gate_up.in_features == hidden
-                    and down.in_features == gate_up.out_features and down.out_features == hidden
-                    and (attn.q_size, attn.kv_size) == (q_size, kv_size))
-        if layer_shape != shape or not sizes_ok:
+        sizes = ((qkv.in_features, qkv.out_features), (o.in_features, o.out_features),
+                 (gate_up.in_features, gate_up.out_features), (down.in_features, down.out_features),
+                 (attn.q_size, attn.kv_size))
+        want = ((hidden, q_size + 2 * kv_size), (q_size, hidden), (hidden, inter), (inter, hidden), (q_size, kv_size))
+        if _layer_shape(layer) != shape or sizes != want:
             return None
         weights[i] = decode_layers.DecodeLayerWeights(
             _ptr(norms[0].weight), _ptr(norms[1].weight), norms[0].eps, norms[1].eps,
             _ptr(qkv.small_weight.data), _ptr(qkv.bias), _ptr(o.small_weight.data), _ptr(o.bias),
             _ptr(gate_up.small_weight.data), _ptr(gate_up.small_bias), _ptr(down.small_weight.data), _ptr(down.bias))
-    return _Plan(weights, dtype, shape)
+    return _Plan(weights, kernels, dtype, shape)
 
 
 class FusedDecoder:
@@ -198,15 +197,15 @@ class FusedDecoder:
 
     def plan(self, layers: Sequence[Any]) -> _Plan | None:
         """The plan for ``layers``, rebuilt when their modules or weight memory changed."""
-        if self._checked_at == _Registrations.count and self._fingerprint is not None:
+        if self._checked_at == _Registrations.count:
             return self._plan
         self._checked_at = _Registrations.count
         if not all(isinstance(x, FusableDecoderLayer) for x in layers):
             self._plan = self._fingerprint = None
             return None
-        current = _Fingerprint(layers)
-        if self._fingerprint is None or not self._fingerprint.same(current):
-            self._plan, self._fingerprint = _build_plan(layers), current.forget_modules()
+        modules = [m for layer in layers for m in _layer_modules(layer)]
+        if self._fingerprint is None or not self._fingerprint.matches(modules):
+            self._plan, self._fingerprint = _build_plan(layers), _Fingerprint(modules)
         return self._plan
 
     def run(self, layers: Sequence[Any], hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -242,8 +241,6 @@ class FusedDecoder:
             torch.get_num_threads(), int(dtype == torch.bfloat16), x_in.data_ptr(), x.data_ptr(), x_mid.data_ptr(),
             normed.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), attn_out.data_ptr(),
             act.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0), native.function, native.context)
-        kernel_set = decode_layers.kernels(dtype)
-        assert kernel_set is not None  # the plan exists only where the kernels do
-        decode_layers.run(kernel_set, plan.weights, step)
+        decode_layers.run(plan.kernels, plan.weights, step)
         self.fused_steps += 1
         return x

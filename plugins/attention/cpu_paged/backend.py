@@ -77,13 +77,16 @@ def _kernel_store(cache: Any, k: torch.Tensor, v: torch.Tensor,
     must: a pool that overrides ``store`` (a plugin's may track or transform writes), or K/V that
     are not contiguous fp32 or bf16, or slots that are not int64. Storing in the kernel call saves
     the two index_puts per layer that cost ~35 us at a batch-1 decode step (of ~90 us of attention)."""
-    if type(cache).store is not KVCache.store:
+    if not _kernel_may_store(cache, loc):
         return None
     if k.dtype not in KV_DTYPES or v.dtype != k.dtype or not (k.is_contiguous() and v.is_contiguous()):
         return None
-    if loc.dtype != torch.int64 or not loc.is_contiguous():
-        return None
     return k, v, loc
+
+
+def _kernel_may_store(cache: Any, loc: torch.Tensor) -> bool:
+    """The pool leaves ``store`` as :class:`KVCache`'s and the slots are contiguous int64."""
+    return type(cache).store is KVCache.store and loc.dtype == torch.int64 and loc.is_contiguous()
 
 
 @dataclass
@@ -201,8 +204,7 @@ class CpuPagedAttnBackend(AttentionBackend):
         q_in = (q.reshape(bs, layer.num_heads, layer.head_dim).contiguous() if q.dtype == torch.bfloat16
                 else _fp32(q, bs, layer))
         out = torch.empty(bs, layer.num_heads, layer.head_dim, dtype=q_in.dtype)
-        work = meta.total_tokens * layer.num_kv_heads * layer.head_dim
-        threads = 1 if work < self.single_thread_below else self.num_threads
+        threads = self._decode_threads(meta, layer)
         paged_decode_attention(q_in, k_cache, v_cache, out, table, meta.rows, meta.lens, layer.scaling, threads, new_kv)
         return out.view(bs, layer.num_heads * layer.head_dim).to(q.dtype)
 
@@ -216,9 +218,7 @@ class CpuPagedAttnBackend(AttentionBackend):
         cache, table, loc = forward_batch.kv_cache, forward_batch.req_to_token, forward_batch.out_cache_loc
         if not isinstance(meta, _DecodeMeta) or dtype not in (torch.float32, torch.bfloat16) or not layers:
             return None
-        if type(cache).store is not KVCache.store or table.dtype != torch.int32 or not table.is_contiguous():
-            return None
-        if loc.dtype != torch.int64 or not loc.is_contiguous():
+        if not _kernel_may_store(cache, loc) or table.dtype != torch.int32 or not table.is_contiguous():
             return None
         first = layers[0]
         shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.scaling)
@@ -229,7 +229,10 @@ class CpuPagedAttnBackend(AttentionBackend):
         if kv_dtype not in KV_DTYPES or any(k.dtype != kv_dtype or v.dtype != kv_dtype or not (k.is_contiguous()
                                             and v.is_contiguous()) for k, v in caches):
             return None
-        work = meta.total_tokens * first.num_kv_heads * first.head_dim
-        threads = 1 if work < self.single_thread_below else self.num_threads
-        return native_decode_step(caches, table, meta.rows, meta.lens, loc, first.num_heads, first.scaling, threads,
-                                  bf16=dtype == torch.bfloat16)
+        return native_decode_step(caches, table, meta.rows, meta.lens, loc, first.num_heads, first.scaling,
+                                  self._decode_threads(meta, first), bf16=dtype == torch.bfloat16)
+
+    def _decode_threads(self, meta: _DecodeMeta, layer: Attention) -> int:
+        """One thread for a batch with little K/V to read (see ``single_thread_below``), else all."""
+        work = meta.total_tokens * layer.num_kv_heads * layer.head_dim
+        return 1 if work < self.single_thread_below else self.num_threads
