@@ -18,6 +18,12 @@ from framework.errors import ConfigError
 
 AUTO_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 1024}
 """``scheduler.max_prefill_tokens: null`` per device (see the schema's docstring for why CPU differs)."""
+AUTO_MIXED_CHUNK = {"cuda": False, "cpu": True}
+"""``scheduler.mixed_chunk: null`` per device, where mixed steps can run at all."""
+AUTO_MIXED_MIN_RUNNING = {"cuda": 1, "cpu": 32}
+"""``scheduler.mixed_chunk_min_running: null`` per device."""
+AUTO_MIXED_MAX_TOKENS = {"cpu": 1792}
+"""``scheduler.mixed_chunk_max_tokens: null`` per device; elsewhere ``max_prefill_tokens``."""
 
 #: (name key, registry kind) of the components whose declared devices are checked.
 DEVICE_CHECKED = (("attention.backend", "attention_backend"), ("memory_pool.name", "memory_pool"),
@@ -39,8 +45,7 @@ def resolve_auto(cfg: DictConfig) -> None:
     if cfg.device.device.value == "auto":
         cfg.device.device = Device.cuda if torch.cuda.is_available() else Device.cpu
     device = cfg.device.device.value
-    if cfg.scheduler.max_prefill_tokens is None:
-        cfg.scheduler.max_prefill_tokens = AUTO_MAX_PREFILL_TOKENS[device]
+    resolve_scheduler_budgets(cfg, device)
     if cfg.attention.backend == "auto":
         cfg.attention.backend = _auto(registry, "attention_backend", device, "attention.backend")
     if cfg.memory_pool.name == "auto":
@@ -63,6 +68,24 @@ def resolve_auto(cfg: DictConfig) -> None:
     enabled = resolve_cuda_graph_enabled(enabled, device, cfg.attention.backend, supports is not False)
     if supports is not None:
         cfg.cuda_graph.enabled = enabled
+
+
+def mixed_steps_possible(cfg: DictConfig) -> bool:
+    """Mixed steps run only in the synchronous loop of a unified server."""
+    return not cfg.scheduler.overlap and _mode(cfg) is None
+
+
+def resolve_scheduler_budgets(cfg: DictConfig, device: str) -> None:
+    """``null`` prefill budget and mixed-step settings resolved per device."""
+    sched = cfg.scheduler
+    if sched.max_prefill_tokens is None:
+        sched.max_prefill_tokens = AUTO_MAX_PREFILL_TOKENS[device]
+    if sched.mixed_chunk is None:
+        sched.mixed_chunk = AUTO_MIXED_CHUNK[device] and mixed_steps_possible(cfg)
+    if sched.mixed_chunk_min_running is None:
+        sched.mixed_chunk_min_running = AUTO_MIXED_MIN_RUNNING[device]
+    if sched.mixed_chunk_max_tokens is None:
+        sched.mixed_chunk_max_tokens = AUTO_MIXED_MAX_TOKENS.get(device, sched.max_prefill_tokens)
 
 
 def _auto(registry: Any, kind: str, device: str, key: str, accept: Any = lambda c: True) -> str:
@@ -99,7 +122,7 @@ def resolve_cuda_graph_enabled(enabled: bool | None, device_type: str, backend_n
 
 def check_section_combinations(cfg: DictConfig) -> None:
     """Combinations that no single key's check can see (no plugin needed)."""
-    if cfg.scheduler.mixed_chunk and (cfg.scheduler.overlap or _mode(cfg) is not None):
+    if cfg.scheduler.mixed_chunk and not mixed_steps_possible(cfg):
         raise ConfigError("scheduler.mixed_chunk: mixed steps run in the synchronous loop of a unified server; "
                           "set scheduler.overlap=false and leave disaggregation.mode unset, or mixed_chunk=false")
     if cfg.scheduler.overlap and _mode(cfg) is not None:

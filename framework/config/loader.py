@@ -199,6 +199,8 @@ def _check_values(cfg: DictConfig) -> None:
         "scheduler.max_running_requests",
         "scheduler.max_prefill_tokens",
         "scheduler.chunked_prefill_size",
+        "scheduler.mixed_chunk_min_running",
+        "scheduler.mixed_chunk_max_tokens",
         "scheduler.max_queued_requests",
         "kv_cache.max_total_tokens",
         "model.context_length",

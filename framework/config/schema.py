@@ -196,11 +196,24 @@ class SchedulerConfig:
     prefix cache instead of computing the same prefix twice. 0 disables the check."""
     overlap: bool = False
     """Schedule step N+1 while step N's forward runs (outputs are identical)."""
-    mixed_chunk: bool = False
+    mixed_chunk: Optional[bool] = None
     """Mixed steps: a prefill (chunk) and the running requests' decode rows share one forward, so
     running streams keep producing tokens while a newcomer prefills (SGLang's
-    ``--enable-mixed-chunk``); ``max_prefill_tokens`` then counts the decode rows too. Outputs are
-    identical. Not with ``overlap`` or disaggregation (a config error)."""
+    ``--enable-mixed-chunk``; vLLM's chunked-prefill scheduling). Outputs are identical. null
+    (auto): on for a CPU server that can run them (no ``overlap``, no disaggregation), off on GPU
+    (SGLang's default) and wherever they cannot run; true where they cannot run (with ``overlap`` or
+    disaggregation) is a config error."""
+    mixed_chunk_min_running: Optional[int] = None
+    """Mixed steps only while at least this many requests decode; with fewer, a prefill runs alone
+    before the decode steps resume (as without mixed steps). null (auto): 32 on CPU, 1 on GPU. Why
+    CPU waits: there a mixed step costs the sum of its two halves (both compute-bound from a few
+    dozen rows), so mixing only moves latency; with a small decode batch prefill-first gave the
+    lower TTFT at the same throughput, with a large one mixed steps gave the lower TTFT (see
+    docs/benchmarks.md, "Mixed steps for large decode batches")."""
+    mixed_chunk_max_tokens: Optional[int] = None
+    """Token budget of a mixed step, its decode rows included (a prefill alone keeps
+    ``max_prefill_tokens``). null (auto): 1792 on CPU (at 64 decode rows, 1536 gave lower TTFT but
+    higher TPOT, 2048 the opposite), ``max_prefill_tokens`` on GPU."""
     stream_interval: int = 1
     """Send streamed tokens every this many decode steps."""
 

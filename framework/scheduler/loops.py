@@ -47,15 +47,15 @@ class StepLoop:
 
 class SyncLoop(StepLoop):
     """One batch per step: the PD side's transfers, then a prefill batch if one can be formed
-    (with the running requests' decode rows in it when ``scheduler.mixed_chunk`` is on), else a
-    decode step of the running batch."""
+    (with the running requests' decode rows in it when the plan is a mixed step: see
+    ``Scheduler.mixed_step_now``), else a decode step of the running batch."""
 
     def step(self) -> None:
         s = self.sched
         if s.pd is not None:
             s.pd.step()
         plan = s.plan_prefill()
-        if plan.reqs and s.running and s.cfg.mixed_chunk and s.run_prefill(plan.reqs, plan.chunked, mixed=True):
+        if plan.reqs and plan.mixed and s.run_prefill(plan.reqs, plan.chunked, mixed=True):
             return
         ran_prefill = bool(plan.reqs) and s.run_prefill(plan.reqs, plan.chunked)
         if not ran_prefill and s.running:

@@ -23,6 +23,8 @@ class PrefillPlan:
     reqs: list[Req] = field(default_factory=list)
     chunked: Req | None = None
     """The request whose prefill continues in a later batch."""
+    mixed: bool = False
+    """Planned as a mixed step: the running requests' decode rows join this batch's forward."""
 
 
 def reserved_decode_tokens(reqs: list[Req], ratio: float, clip: int) -> int:
@@ -67,14 +69,16 @@ class PrefillPlanner:
     def plan(
         self, waiting: list[Req], running: list[Req], chunked: Req | None, ratio: float, decode_rows: int = 0
     ) -> PrefillPlan:
-        """``decode_rows``: tokens of the step's budget that running requests take (mixed steps)."""
+        """``decode_rows``: the running requests' rows when this is a mixed step (0: a prefill
+        alone); they take that many tokens of ``scheduler.mixed_chunk_max_tokens``."""
         cfg = self.cfg
         clip = cfg.clip_max_new_tokens_estimation
         chunk_cap = cfg.chunked_prefill_size or (1 << 62)
-        rem_input = max(cfg.max_prefill_tokens - decode_rows, 1)
+        budget = (cfg.mixed_chunk_max_tokens or cfg.max_prefill_tokens) if decode_rows else cfg.max_prefill_tokens
+        rem_input = max(budget - decode_rows, 1)
         running_reserve = reserved_decode_tokens(running, ratio, clip)
         admitted_cost = 0
-        plan = PrefillPlan()
+        plan = PrefillPlan(mixed=decode_rows > 0)
 
         if chunked is not None:
             # The request mid-prefill continues first: its row and prefix are already held.

@@ -231,9 +231,16 @@ class Scheduler:
         waiting = [] if self.hold_admission else self.waiting
         if waiting:
             fail_unrecomputable(self)
-        # A mixed step's decode rows come out of the same token budget.
-        decode_rows = len(self.running) if self.cfg.mixed_chunk else 0
+        # A mixed step's decode rows come out of its token budget.
+        decode_rows = len(self.running) if self.mixed_step_now() else 0
         return self.planner.plan(waiting, self.running, self.chunked, self.new_token_ratio, decode_rows)
+
+    def mixed_step_now(self) -> bool:
+        """Whether a prefill batch formed now shares its forward with the running requests' decode
+        rows: ``scheduler.mixed_chunk`` on, a unified server's synchronous loop, and at least
+        ``scheduler.mixed_chunk_min_running`` requests decoding."""
+        return (bool(self.cfg.mixed_chunk) and self.pd is None and not self.cfg.overlap
+                and len(self.running) >= max(self.cfg.mixed_chunk_min_running or 1, 1))
 
     def run_prefill(self, reqs: list[Req], chunked: Req | None, mixed: bool = False) -> bool:
         """Prefill ``reqs``; False if not even one of them could get KV (decode runs instead).

@@ -128,11 +128,15 @@ SCHEDULER_VARIANTS = {
     "small_prefill_budget": ["scheduler.max_prefill_tokens=16"],
     "overlap": ["scheduler.overlap=true"],
     "overlap_chunked_page16": ["scheduler.overlap=true", "scheduler.chunked_prefill_size=8", "kv_cache.page_size=16"],
-    # Mixed steps: the second wave prefills in chunks inside the first wave's decode steps.
-    "mixed_chunked": ["scheduler.mixed_chunk=true", "scheduler.chunked_prefill_size=8"],
-    "mixed_page16": ["scheduler.mixed_chunk=true", "kv_cache.page_size=16", "scheduler.max_prefill_tokens=24"],
+    # Mixed steps: the second wave prefills in chunks inside the first wave's decode steps (from
+    # one running request on, where CPU's auto setting waits for 32).
+    "mixed_chunked": ["scheduler.mixed_chunk=true", "scheduler.mixed_chunk_min_running=1",
+                      "scheduler.chunked_prefill_size=8"],
+    "mixed_page16": ["scheduler.mixed_chunk=true", "scheduler.mixed_chunk_min_running=1", "kv_cache.page_size=16",
+                     "scheduler.mixed_chunk_max_tokens=24"],
     "torch_native_mixed": ["attention.backend=torch_native", "scheduler.mixed_chunk=true",
-                           "scheduler.chunked_prefill_size=8"],
+                           "scheduler.mixed_chunk_min_running=1", "scheduler.chunked_prefill_size=8"],
+    "mixed_off": ["scheduler.mixed_chunk=false"],
     # The CPU defaults are the cpu_paged backend and oneDNN-packed linears; the reference paths too:
     "torch_native_aten": ["attention.backend=torch_native", "device.cpu_linear=aten"],
     "torch_native_page16": ["attention.backend=torch_native", "kv_cache.page_size=16"],
@@ -350,7 +354,34 @@ def test_mixed_steps_run_and_keep_outputs(cases, make_engine, register_plugin, b
     register_plugin(Watch(), "watch-batches")
     _, path, _, prompts, expected = cases.get("llama_gqa")
     eng = make_engine(path, f"attention.backend={backend}", "scheduler.mixed_chunk=true",
-                      "scheduler.chunked_prefill_size=8")
+                      "scheduler.mixed_chunk_min_running=1", "scheduler.chunked_prefill_size=8")
     assert run_staggered(eng, prompts) == expected
     mixed = [running for mode, running in modes if mode == "mixed"]
     assert mixed and max(mixed) >= 2, modes
+
+
+def test_mixed_steps_wait_for_min_running(cases, make_engine, register_plugin):
+    """``scheduler.mixed_chunk_min_running``: a prefill that finds fewer requests decoding runs
+    alone; from that many on it is a mixed step, its budget ``mixed_chunk_max_tokens`` with the
+    decode rows in it (not ``max_prefill_tokens``). Tokens stay transformers'."""
+    from framework.hookspecs import hookimpl
+
+    batches: list[tuple[str, int, int]] = []
+
+    class Watch:
+        @hookimpl
+        def on_batch_scheduled(self, batch):
+            batches.append((batch.mode, batch.num_running, batch.num_new_tokens))
+
+    register_plugin(Watch(), "watch-batches")
+    _, path, _, prompts, expected = cases.get("llama_gqa")
+    eng = make_engine(path, "scheduler.mixed_chunk=true", "scheduler.mixed_chunk_min_running=3",
+                      "scheduler.max_prefill_tokens=8", "scheduler.mixed_chunk_max_tokens=20",
+                      "scheduler.chunked_prefill_size=8")
+    assert run_staggered(eng, prompts) == expected
+    mixed = [(running, tokens) for mode, running, tokens in batches if mode == "mixed"]
+    alone = [(running, tokens) for mode, running, tokens in batches if mode == "prefill"]
+    assert mixed and alone, batches
+    assert min(running for running, _ in mixed) >= 3, batches
+    assert max(tokens for _, tokens in alone) <= 8 and max(tokens for _, tokens in mixed) <= 20, batches
+    assert max(tokens for _, tokens in mixed) > 8, batches  # the larger budget was used

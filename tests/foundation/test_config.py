@@ -78,6 +78,25 @@ def test_defaults_of_options_are_filled_in():
     assert cfg.memory_pool.options.pre_alloc_size is None
 
 
+def test_mixed_steps_auto_per_device_and_loop():
+    """``scheduler.mixed_chunk`` null: on for a CPU unified synchronous server, with its CPU
+    threshold and budget; off (not an error) with the overlap loop or a PD role; an explicit true
+    there is an error naming the key."""
+    cfg = resolve()
+    assert cfg.device.device.value == "cpu"
+    assert (cfg.scheduler.mixed_chunk, cfg.scheduler.mixed_chunk_min_running) == (True, 32)
+    assert (cfg.scheduler.max_prefill_tokens, cfg.scheduler.mixed_chunk_max_tokens) == (1024, 1792)
+    assert resolve("scheduler.overlap=true").scheduler.mixed_chunk is False
+    pd = resolve_config(None, [*MODEL, "disaggregation.mode=prefill"], validate_components=False)
+    assert pd.scheduler.mixed_chunk is False
+    explicit = resolve("scheduler.mixed_chunk=false", "scheduler.mixed_chunk_max_tokens=300")
+    assert (explicit.scheduler.mixed_chunk, explicit.scheduler.mixed_chunk_max_tokens) == (False, 300)
+    with pytest.raises(ConfigError, match=r"scheduler\.mixed_chunk: mixed steps run in the synchronous loop"):
+        resolve("scheduler.mixed_chunk=true", "scheduler.overlap=true")
+    with pytest.raises(ConfigError, match=r"scheduler\.mixed_chunk_min_running: invalid value 0, must be >= 1"):
+        resolve("scheduler.mixed_chunk_min_running=0")
+
+
 def test_decode_mode_picks_decode_pool_and_checks_transfer_backend():
     cfg = resolve_config(None, [*MODEL, "disaggregation.mode=decode"], validate_components=False)
     assert cfg.memory_pool.name == "decode_prealloc"

@@ -61,7 +61,8 @@ def test_retraction_keeps_images_and_greedy_output(vl_model, make_engine, images
 
 
 @pytest.mark.parametrize("variant", [["scheduler.overlap=true"],
-                                     ["scheduler.mixed_chunk=true", "scheduler.chunked_prefill_size=6"],
+                                     ["scheduler.mixed_chunk=true", "scheduler.mixed_chunk_min_running=1",
+                                      "scheduler.chunked_prefill_size=6"],
                                      ["attention.backend=torch_native", "kv_cache.page_size=16"]],
                          ids=["overlap", "mixed_chunk", "torch_native_page16"])
 def test_scheduler_variants_with_images(vl_model, make_engine, images, variant):
