@@ -29,7 +29,8 @@ The scenarios:
 - ``decode``: mixed context lengths (1 .. 63), several steps across page boundaries, then a
   reordered subset of the requests;
 - ``mixed``: a mixed step (``scheduler.mixed_chunk``): running requests' one-token decode rows in
-  the same extend batch as a fresh prompt's chunk and a continuing chunk, twice.
+  the same extend batch as a fresh prompt's chunk and a continuing chunk, twice, then in the
+  scheduler's own layout (the prompt first, the decode rows last).
 
 over a grid of page sizes (1, 16), GQA ratios (1, 4, 8), head dims (64, 128) and dtypes (float32
 plus the half types the device supports), each with its own tolerance.
@@ -366,6 +367,8 @@ def _run_scenario(hx: _Harness, scenario: str) -> None:
         # decode rows (one token on long contexts) beside a new prompt and a prefix chunk
         hx.step(extend, [*running, fresh, chunked], [1, 1, 1, 24, 17])
         hx.step(extend, [running[2], chunked, running[0]], [1, 6, 1])
+        # Scheduler.run_prefill's order: the prompts, then every decode row.
+        hx.step(extend, [hx.new_request(), *running], [12, 1, 1, 1])
     else:
         raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
 

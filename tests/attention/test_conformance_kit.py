@@ -163,3 +163,34 @@ def test_case_ids_are_readable_and_unique() -> None:
     assert len({str(c) for c in cases}) == len(cases)
     assert str(cases[0]) == "extend-page1-h2kv2-d64-float32"
     assert {c.scenario for c in cases} == set(SCENARIOS)
+
+
+def test_cpu_paged_hands_a_mixed_steps_decode_rows_to_its_decode_kernel(monkeypatch) -> None:
+    """A mixed step's trailing one-token requests go to the decode kernel (the extend kernel would
+    compute a block of query rows for each); the kit's mixed cases pass that way, and a tail that
+    reads one key too few fails them."""
+    from plugins.attention.cpu_paged import backend as cpu_paged
+
+    calls: list[int] = []
+    real = cpu_paged.paged_decode_attention
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_paged, "paged_decode_attention", counting)
+    cases = conformance_cases(dtypes=[torch.float32, torch.bfloat16], scenarios=["mixed"], page_sizes=[1, 16],
+                              head_layouts=[(8, 2)], head_dims=[64])
+    report = assert_conformant("cpu_paged", cases=cases)
+    # Per case and layer: the 1-row tail of the second step, the 3 rows of the third.
+    assert sorted(set(calls)) == [1, 3] and len(calls) == len(report.results) * 2 * 2, calls
+
+    class ShortTail(CpuPagedAttnBackend):
+        def init_forward_metadata(self, forward_batch) -> None:
+            super().init_forward_metadata(forward_batch)
+            tail = getattr(forward_batch.attn_metadata, "decode_tail", None)
+            if tail is not None:
+                tail.lens -= 1
+
+    broken = run_conformance(lambda runner, options: ShortTail(runner), cases=cases)
+    assert len(broken.failures) == len(cases), broken

@@ -110,6 +110,26 @@ class _ExtendMeta:
     """``[bs]`` int64 new tokens of each request in this batch."""
     fallback: Any
     """The SDPA path's extend metadata, built lazily only if a layer needs the fallback."""
+    decode_tail: _DecodeMeta | None = None
+    """The batch's trailing one-token requests (a mixed step's decode rows), which the decode
+    kernel takes; the fields above then describe only the requests before them."""
+
+
+def _one_token_tail(q_lens: Sequence[int]) -> int:
+    """How many requests at the end of an extend batch add one token each.
+
+    A mixed step puts the running requests' decode rows last. The extend kernel works in blocks of
+    query rows (4 at head_dim 64), so a one-token request computes a whole block and transposes its
+    keys first; the decode kernel reads them once as they lie. Measured on the Zen 4 host with
+    llama-120m at 64 decode rows beside 192 prompt tokens: attention 50 ms of a 283 ms mixed step,
+    against 25 ms for the same rows in a decode step.
+    """
+    tail = 0
+    for n in reversed(q_lens):
+        if n != 1:
+            break
+        tail += 1
+    return tail
 
 
 class CpuPagedAttnBackend(AttentionBackend):
@@ -140,9 +160,15 @@ class CpuPagedAttnBackend(AttentionBackend):
         """The request rows and lengths as contiguous int64 tensors (what the kernels read)."""
         if not forward_batch.mode.is_decode():
             prefix, q_lens = forward_batch.extend_lengths()
-            forward_batch.attn_metadata = _ExtendMeta(forward_batch.req_pool_indices.to(torch.int64).contiguous(),
-                                                      torch.tensor(prefix, dtype=torch.int64),
-                                                      torch.tensor(q_lens, dtype=torch.int64), None)
+            rows = forward_batch.req_pool_indices.to(torch.int64)
+            head = len(q_lens) - _one_token_tail(q_lens)
+            tail = None
+            if head < len(q_lens):
+                lens = [p + 1 for p in prefix[head:]]
+                tail = _DecodeMeta(rows[head:].contiguous(), torch.tensor(lens, dtype=torch.int64), sum(lens), None)
+            forward_batch.attn_metadata = _ExtendMeta(rows[:head].contiguous(),
+                                                      torch.tensor(prefix[:head], dtype=torch.int64),
+                                                      torch.tensor(q_lens[:head], dtype=torch.int64), None, tail)
             return
         rows = forward_batch.req_pool_indices.to(torch.int64).contiguous()
         lens = forward_batch.seq_lens.to(torch.int64).contiguous()
@@ -170,8 +196,16 @@ class CpuPagedAttnBackend(AttentionBackend):
         k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
         num_tokens = q.shape[0]
         out = torch.empty(num_tokens, layer.num_heads, layer.head_dim, dtype=torch.float32)
-        paged_extend_attention(_fp32(q, num_tokens, layer), k_cache, v_cache, out, forward_batch.req_to_token,
-                               meta.rows, meta.prefix_lens, meta.q_lens, layer.scaling, self.num_threads)
+        q32 = _fp32(q, num_tokens, layer)
+        tail = meta.decode_tail
+        split = num_tokens - (0 if tail is None else tail.rows.shape[0])
+        table = forward_batch.req_to_token
+        if split:
+            paged_extend_attention(q32[:split], k_cache, v_cache, out[:split], table, meta.rows, meta.prefix_lens,
+                                   meta.q_lens, layer.scaling, self.num_threads)
+        if tail is not None:  # the one-token requests' K/V are stored above, as a decode step's would be
+            paged_decode_attention(q32[split:], k_cache, v_cache, out[split:], table, tail.rows, tail.lens,
+                                   layer.scaling, self._decode_threads(tail, layer))
         return out.view(num_tokens, layer.num_heads * layer.head_dim).to(q.dtype)
 
     def forward_decode(
