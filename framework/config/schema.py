@@ -206,7 +206,7 @@ class SchedulerConfig:
     mixed_chunk_min_running: Optional[int] = None
     """Mixed steps only while at least this many requests decode; with fewer, a prefill runs alone
     before the decode steps resume (as without mixed steps). null (auto): 32 on CPU, 1 on GPU. Why
-    CPU waits: there a mixed step costs the sum of its two halves (both compute-bound from a few
+    CPU waits: there a mixed step costs about the sum of its two halves (both compute-bound from a few
     dozen rows), so mixing only moves latency; with a small decode batch prefill-first gave the
     lower TTFT at the same throughput, with a large one mixed steps gave the lower TTFT (see
     docs/benchmarks.md, "Mixed steps for large decode batches")."""
