@@ -237,10 +237,10 @@ class Scheduler:
 
     def mixed_step_now(self) -> bool:
         """Whether a prefill batch formed now shares its forward with the running requests' decode
-        rows: ``scheduler.mixed_chunk`` on, a unified server's synchronous loop, and at least
-        ``scheduler.mixed_chunk_min_running`` requests decoding."""
-        return (bool(self.cfg.mixed_chunk) and self.pd is None and not self.cfg.overlap
-                and len(self.running) >= max(self.cfg.mixed_chunk_min_running or 1, 1))
+        rows: ``scheduler.mixed_chunk`` on (config resolution leaves it off, or refuses it, with the
+        overlap loop or a PD role) and at least ``scheduler.mixed_chunk_min_running`` requests
+        decoding."""
+        return bool(self.cfg.mixed_chunk) and len(self.running) >= (self.cfg.mixed_chunk_min_running or 1)
 
     def run_prefill(self, reqs: list[Req], chunked: Req | None, mixed: bool = False) -> bool:
         """Prefill ``reqs``; False if not even one of them could get KV (decode runs instead).
