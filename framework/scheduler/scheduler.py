@@ -32,8 +32,8 @@ from framework.config.schema import PlugserveConfig
 from framework.errors import ConfigError
 from framework.executor.model_runner import ModelRunner
 from framework.plugins import get_plugins
-from framework.sampling.logit_processor import check_custom_logit_processor
 from framework.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
+from framework.scheduler.admission import AdmissionError, check_admission
 from framework.scheduler.batch_builder import LogitsPlan, build_decode, build_extend, record_prompt_logprobs
 from framework.scheduler.finish import check_finished
 from framework.scheduler.grammar_queue import GrammarAdmissionError, GrammarQueue
@@ -61,10 +61,6 @@ class SamplingInputs:
     want_logprobs: bool
     token_ids: list[list[int]] | None = None
     """Per row the ids of ``token_ids_logprob`` (None when no row asks)."""
-
-
-class AdmissionError(ValueError):
-    """A request that can never run (too long, bad parameters): the client gets a 400."""
 
 
 class Scheduler:
@@ -116,52 +112,12 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         """Queue a request; raises AdmissionError if it can never run."""
-        if req.rid in self.requests:
-            raise AdmissionError(f"request id {req.rid!r} is already in use")
-        if not req.input_ids:
-            raise AdmissionError("the prompt is empty")
-        sp = req.sampling_params
-        try:
-            sp.validate(self.runner.vocab_size)
-            check_custom_logit_processor(sp.custom_logit_processor, sp.custom_params,
-                                         self.settings.server.enable_custom_logit_processor, self.plugins.registry)
-        except ValueError as exc:
-            raise AdmissionError(str(exc)) from None
-        if req.mm_inputs is not None:
-            if req.mm_inputs.items and not getattr(self.runner.model, "accepts_mm_inputs", False):
-                raise AdmissionError(f"model {self.runner.architecture} does not take images")
-            problem = req.mm_inputs.check_ids(req.input_ids, self.runner.vocab_size)
-            if problem:
-                raise AdmissionError(problem)
-        elif any(not 0 <= t < self.runner.vocab_size for t in req.input_ids):
-            raise AdmissionError(f"input_ids must be in [0, {self.runner.vocab_size})")
-        total = len(req.input_ids) + sp.max_new_tokens
-        if len(req.input_ids) >= self.context_len:
-            raise AdmissionError(
-                f"the prompt has {len(req.input_ids)} tokens; this server's context length is "
-                f"{self.context_len}"
-            )
-        if total > self.context_len:
-            # Like SGLang and vLLM: refuse instead of silently truncating the output.
-            raise AdmissionError(
-                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
-                f"{total} exceeds the context length {self.context_len}"
-            )
-        if "released" in self.holds:
-            raise UnavailableError("the server's memory is released (release_memory_occupation); "
-                                   "resume_memory_occupation first")
-        if self.cfg.max_queued_requests is not None and len(self.waiting) >= self.cfg.max_queued_requests:
-            raise QueueFullError(f"the waiting queue is full ({self.cfg.max_queued_requests} requests)")
-        if req.priority not in (None, 0) and not getattr(self.policy, "uses_priority", False):
-            raise AdmissionError(f"priority {req.priority} needs a schedule policy that orders by priority "
-                                 f"(scheduler.policy={self.cfg.policy!r} does not)")
+        check_admission(self, req)
         if req.wants_prompt_logprobs() and req.logprob_start_len == 0:
             req.input_logprobs.append(None)  # the first prompt token has no logprob
             req.input_top_logprobs.append(None)
             req.input_token_ids_logprobs.append(None)
-        if sp.max_new_tokens == 0 and self.pd is not None:
-            raise AdmissionError("max_new_tokens must be >= 1 with prefill/decode disaggregation")
-        if sp.max_new_tokens == 0 and not req.wants_prompt_logprobs():
+        if req.sampling_params.max_new_tokens == 0 and not req.wants_prompt_logprobs():
             # Nothing to compute: it finishes at once, without a forward or any KV.
             self.requests[req.rid] = req
             req.finished_reason = FinishReason("length")
@@ -471,10 +427,3 @@ class Scheduler:
             "num_retractions": self.num_retractions,
         }
 
-
-class UnavailableError(AdmissionError):
-    """The server cannot take requests now (HTTP 503): memory released, queue full."""
-
-
-class QueueFullError(UnavailableError):
-    """The waiting queue is at ``scheduler.max_queued_requests`` (HTTP 503 with Retry-After)."""

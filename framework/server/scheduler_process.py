@@ -101,8 +101,8 @@ class SchedulerLoop:
     def _add(self, batch: ipc.GenerateBatch) -> None:
         from framework.multimodal.inputs import MultimodalInputs
         from framework.sampling.params import SamplingParams
+        from framework.scheduler.admission import AdmissionError, UnavailableError
         from framework.scheduler.request import Req
-        from framework.scheduler.scheduler import AdmissionError, UnavailableError
 
         added: list[str] = []
         group = batch.reqs[0].rid if len(batch.reqs) > 1 else None  # unique while any of them lives

@@ -14,8 +14,8 @@ import transformers
 
 from framework import Engine
 from framework.sampling.params import SamplingParams
+from framework.scheduler.admission import AdmissionError
 from framework.scheduler.request import Req
-from framework.scheduler.scheduler import AdmissionError
 from plugins.policies import PriorityOptions, PriorityPolicy
 
 

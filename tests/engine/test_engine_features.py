@@ -102,7 +102,7 @@ def test_stream_closed_early_aborts(engine):
 
 
 def test_admission_errors(engine):
-    from framework.scheduler.scheduler import AdmissionError
+    from framework.scheduler.admission import AdmissionError
 
     ctx = engine.scheduler.context_len
     with pytest.raises(AdmissionError, match="exceeds the context length"):

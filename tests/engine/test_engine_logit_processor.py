@@ -14,7 +14,7 @@ import torch
 
 from framework import Engine
 from framework.hookspecs import hookimpl
-from framework.scheduler.scheduler import AdmissionError
+from framework.scheduler.admission import AdmissionError
 from framework.testing.tiny_models import save_tiny_model
 
 

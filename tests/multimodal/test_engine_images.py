@@ -8,9 +8,9 @@ import torch
 
 from framework.multimodal.inputs import MultimodalInputs, is_pad_id
 from framework.sampling.params import SamplingParams
+from framework.scheduler.admission import AdmissionError
 from framework.scheduler.request import Req
 from framework.scheduler.rollout import RolloutError
-from framework.scheduler.scheduler import AdmissionError
 from framework.testing.tiny_vl_models import IMAGE_PLACEHOLDER, make_image, save_tiny_vl_model
 from tests.multimodal.reference import Reference
 

@@ -9,8 +9,8 @@ import msgspec
 import pytest
 from pydantic import ValidationError
 
+from framework.scheduler.admission import AdmissionError, QueueFullError
 from framework.scheduler.outputs import RequestOutput
-from framework.scheduler.scheduler import AdmissionError, QueueFullError
 from framework.server import ipc
 from framework.server.chat_template import render_chat, render_in_sandbox, transformers_sandboxes
 from framework.server.errors import APIError, from_validation_error
