@@ -137,5 +137,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def run() -> int:
+    """The ``plugserve`` command: :func:`main` in a process of plugserve's own, where
+    ``device.cpu_keep_freed_memory``'s auto applies (``main`` alone leaves a caller's process, e.g. a
+    test run, as it is)."""
+    from framework.memory.heap import claim_process
+
+    claim_process()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

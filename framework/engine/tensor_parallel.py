@@ -179,9 +179,11 @@ def follower_main(config_path: str, rank: int, host: str, port: int, parent_pid:
         from framework.config.loader import resolve_config, to_settings
         from framework.disaggregation.factory import make_pd_side
         from framework.executor.model_runner import ModelRunner
+        from framework.memory.heap import claim_process
         from framework.scheduler.replicated import follow
         from framework.scheduler.scheduler import Scheduler
 
+        claim_process()
         settings = to_settings(resolve_config(config_path, preset=None))
         comm = join_group(settings, rank, host, port)
         runner = ModelRunner(settings, progress=False)

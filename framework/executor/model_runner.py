@@ -22,6 +22,7 @@ from framework.executor.cuda_graph_runner import CudaGraphRunner, maybe_create_c
 from framework.executor.forward_batch import ForwardBatch
 from framework.executor.weights import ModelWeights
 from framework.kernels.small_gemm import kernel_available as small_gemm_available
+from framework.memory.heap import keep_freed_blocks, process_is_claimed
 from framework.memory.kv_allocator import PagedKVAllocator
 from framework.memory.kv_cache import KVCache
 from framework.memory.memory_saver import MEMORY_TAGS, MemorySaver, available_memory_bytes
@@ -142,6 +143,11 @@ class ModelRunner:
         # Last: capture needs the model, the KV cache, the request table and the backend. None on CPU.
         with self.memory_saver.region("cuda_graph"):
             self.cuda_graph_runner: CudaGraphRunner | None = maybe_create_cuda_graph_runner(self, settings.cuda_graph)
+        keep = settings.device.cpu_keep_freed_memory
+        # After loading: the weights and the KV cache keep their own mappings, and what loading
+        # freed is not held in the heap for steps that never need that much.
+        if self.device.type == "cpu" and (keep or (keep is None and process_is_claimed())):
+            keep_freed_blocks()
 
     def _pack_cpu_linears(self, choice: str) -> str:
         """Swap linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""

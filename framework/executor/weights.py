@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from framework.distributed.state import get_tensor_parallel
-from framework.memory.memory_saver import MemorySaver, trim_heap
+from framework.memory.heap import trim_heap
+from framework.memory.memory_saver import MemorySaver
 from framework.models.cpu_linear import PackedLinear, pack_linear_layers, unpack_linear_layers
 from framework.models.loader import default_dtype, iter_safetensors_weights, load_hf_config, safetensors_files
 

@@ -15,8 +15,6 @@ and False for the KV cache (its contents are stale after a release; the prefix c
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 from collections.abc import Iterable, Iterator
 
@@ -83,18 +81,6 @@ def unique_storages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
             continue
         seen.add(key)
         yield t
-
-
-def trim_heap() -> None:
-    """Ask glibc to return free heap pages to the OS (``malloc_trim``). Freed tensors under glibc's
-    mmap threshold (which rises up to 32 MiB as big blocks are freed) stay in the heap otherwise,
-    so a release or a repack would not show in the resident size. A no-op off glibc."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    libc = ctypes.CDLL(name)
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 def available_memory_bytes() -> int:

@@ -294,6 +294,9 @@ def main(config_path: str, to_scheduler: str, from_scheduler: str, parent_pid: i
     # scheduler stops (it sends Shutdown), so the scheduler ignores SIGINT itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    from framework.memory.heap import claim_process
+
+    claim_process()
     # tqdm (weight loading) otherwise creates a multiprocessing lock: a named semaphore that the
     # resource tracker reports as leaked after the fast exit below. A thread lock is all we need.
     from tqdm import tqdm

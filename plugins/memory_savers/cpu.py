@@ -18,7 +18,8 @@ from typing import IO
 
 import torch
 
-from framework.memory.memory_saver import MemorySaver, trim_heap, unique_storages
+from framework.memory.heap import trim_heap
+from framework.memory.memory_saver import MemorySaver, unique_storages
 
 logger = logging.getLogger(__name__)
 
