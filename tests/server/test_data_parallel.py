@@ -234,6 +234,13 @@ def test_a_dead_replica_takes_the_server_down(tiny_model: Path, tmp_path_factory
     ])
     try:
         pids = [r["scheduler_pid"] for r in httpx.get(f"{server.url}/server_info", timeout=30).json()["dp"]]
+        # One short request per replica first (round robin): a replica's first request pays for
+        # its warm-up, and a cold replica 1 would let replica 0 finish its whole long request
+        # before both run, leaving nothing in flight on the healthy replica to fail.
+        for prompt in PROMPTS[2:4]:
+            warm = httpx.post(f"{server.url}/generate", timeout=120,
+                              json={"text": prompt, "sampling_params": {"max_new_tokens": 2}})
+            assert warm.status_code == 200, warm.text
         events: list[list] = [[], []]
 
         def stream(i: int) -> None:
