@@ -146,8 +146,9 @@ class ModelRunner:
         keep = settings.device.cpu_keep_freed_memory
         # After loading: the weights and the KV cache keep their own mappings, and what loading
         # freed is not held in the heap for steps that never need that much.
-        if self.device.type == "cpu" and (keep or (keep is None and process_is_claimed())):
-            keep_freed_blocks()
+        self.keeps_freed_memory = self.device.type == "cpu" and (keep or (keep is None and process_is_claimed()))
+        if self.keeps_freed_memory:
+            self.keeps_freed_memory = keep_freed_blocks()  # False off glibc
 
     def _pack_cpu_linears(self, choice: str) -> str:
         """Swap linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
@@ -274,6 +275,7 @@ class ModelRunner:
             "cpu_linear": self.linear_impl,
             "cpu_small_gemm": self.small_gemm,
             "cpu_fused_decode": self.fused_decode,
+            "cpu_keep_freed_memory": self.keeps_freed_memory,
             "memory_saver": self.memory_saver.name,
             "tp_size": self.tp.size,
             "kv_heads_per_rank": self.kv_heads,

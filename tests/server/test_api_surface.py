@@ -125,6 +125,12 @@ def test_sglang_info_aliases(http: httpx.Client) -> None:
     assert {"/get_model_info", "/get_server_info", "/v1/tokenize", "/v1/detokenize"} <= set(paths)
 
 
+def test_the_scheduler_process_keeps_freed_blocks(http: httpx.Client) -> None:
+    """``device.cpu_keep_freed_memory``'s auto is on in a scheduler process plugserve runs (an
+    Engine in the test process leaves it off: tests/memory/test_heap.py)."""
+    assert http.get("/server_info").json()["model_info"]["cpu_keep_freed_memory"] is True
+
+
 def test_the_model_path_is_accepted_as_the_model_name(oai, tiny_model: Path) -> None:
     by_path = oai.completions.create(model=str(tiny_model), prompt=TEXT, max_tokens=4, **GREEDY)
     by_name = oai.completions.create(model=MODEL, prompt=TEXT, max_tokens=4, **GREEDY)
