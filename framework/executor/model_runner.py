@@ -146,9 +146,8 @@ class ModelRunner:
         keep = settings.device.cpu_keep_freed_memory
         # After loading: the weights and the KV cache keep their own mappings, and what loading
         # freed is not held in the heap for steps that never need that much.
-        self.keeps_freed_memory = self.device.type == "cpu" and (keep or (keep is None and process_is_claimed()))
-        if self.keeps_freed_memory:
-            self.keeps_freed_memory = keep_freed_blocks()  # False off glibc
+        wanted = self.device.type == "cpu" and (keep is True or (keep is None and process_is_claimed()))
+        self.keeps_freed_memory = wanted and keep_freed_blocks()  # keep_freed_blocks: False off glibc
 
     def _pack_cpu_linears(self, choice: str) -> str:
         """Swap linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
