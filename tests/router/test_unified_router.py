@@ -127,43 +127,74 @@ def test_round_robin_matches_the_engine_and_skips_a_dead_worker(workers, workloa
 
 
 def test_shortest_queue_spreads_long_requests(workers, workload, tmp_path) -> None:
+    """A long stream, a short request, a second long stream: round robin would send the second
+    stream to the first one's worker, the shortest queue to the other. What is checked is the
+    routing itself (the router's per-worker counts while stream 0 is known to be open): polling
+    the workers for a moment when both streams run is a race against the streams' end."""
     port = free_port()
     router = spawn(["router", "--worker-urls", workers[0].url, workers[1].url, "--policy", "shortest_queue",
                     "--port", str(port)], tmp_path / "router-sq.log", port)
     try:
         router.wait_healthy()
-        with httpx.Client(timeout=120) as warm:  # a short request first: ties break round-robin
-            assert warm.post(f"{router.url}/generate", json={"text": "hi", "sampling_params": {
-                "max_new_tokens": 2}}).status_code == 200
+        opened = [threading.Event(), threading.Event()]
         stops = [threading.Event(), threading.Event()]
+        outcome: list[dict] = [{"status": None, "events": 0, "ended": False} for _ in range(2)]
 
         def stream(i: int) -> None:
             body = {"text": f"stream {i}", "sampling_params": LONG, "stream": True}
-            with httpx.Client(timeout=120) as c, c.stream("POST", f"{router.url}/generate", json=body) as r:
-                for _ in r.iter_lines():
-                    if stops[i].is_set():
-                        return  # the client leaves: router and worker abort the request
+            try:
+                with httpx.Client(timeout=120) as c, c.stream("POST", f"{router.url}/generate", json=body) as r:
+                    outcome[i]["status"] = r.status_code
+                    for line in r.iter_lines():
+                        if line.startswith("data:"):
+                            outcome[i]["events"] += 1
+                            opened[i].set()
+                        if stops[i].is_set():
+                            return  # the client leaves: router and worker abort the request
+                    outcome[i]["ended"] = True
+            finally:
+                opened[i].set()  # an error wakes the test too; outcome says what happened
 
+        def router_counts(key: str) -> list[int]:
+            entries = {w["url"]: w[key] for w in httpx.get(f"{router.url}/workers", timeout=10).json()}
+            return [entries[w.url] for w in workers]
+
+        def routed_since(before: list[int]) -> list[int]:
+            return [a - b for a, b in zip(router_counts("sent"), before, strict=True)]
+
+        seen_before = [prompts_seen(w) for w in workers]
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        before = router_counts("sent")
         threads[0].start()
-        deadline = time.monotonic() + 60
-        while sum(e["num_running"] for w in workers for e in httpx.get(f"{w.url}/get_load").json()) < 1:
-            assert time.monotonic() < deadline
+        assert opened[0].wait(60) and outcome[0]["status"] == 200, outcome
+        first = routed_since(before)
+        busy = first.index(1)
+        assert sorted(first) == [0, 1], first
+
+        before = router_counts("sent")  # a short request: both policies pick the idle worker
+        r = httpx.post(f"{router.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert routed_since(before)[busy] == 0
+        deadline = time.monotonic() + 30  # its count drops after the reply is sent: wait for it
+        while router_counts("in_flight") != [int(i == busy) for i in range(2)]:
+            assert time.monotonic() < deadline, router_counts("in_flight")
             time.sleep(0.05)
-        threads[1].start()  # worker 0 or 1 has one open: the other one is shorter
-        running: list[int] = []
-        while time.monotonic() < deadline:
-            running = [httpx.get(f"{w.url}/get_load").json()[0]["num_running"] for w in workers]
-            if running == [1, 1]:
-                break
-            time.sleep(0.05)
-        assert running == [1, 1], running
+
+        before = router_counts("sent")
+        threads[1].start()  # round robin's turn is the busy worker; its queue is the longer one
+        assert opened[1].wait(60) and outcome[1]["status"] == 200, outcome
+        assert not outcome[0]["ended"], f"stream 0 ended before stream 1 was routed: {outcome}"
+        second = routed_since(before)
+        assert second[busy] == 0 and sum(second) == 1, (busy, second, outcome)
+        seen = [a - b for a, b in zip((prompts_seen(w) for w in workers), seen_before, strict=True)]
+        assert all(s > 0 for s in seen), (seen, outcome)  # the workers admitted what was sent
         for s in stops:
             s.set()
         for t in threads:
             t.join(60)
         deadline = time.monotonic() + 30
-        while any(w["in_flight"] for w in httpx.get(f"{router.url}/workers").json()):
+        while any(router_counts("in_flight")):
             assert time.monotonic() < deadline, "the router's in-flight counts did not come back to 0"
             time.sleep(0.1)
     finally:
