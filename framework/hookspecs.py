@@ -80,9 +80,12 @@ def register_models(register: Register) -> None:
     Factory signature: ``factory(hf_config, options) -> torch.nn.Module`` where the module has
     ``forward(input_ids, positions, forward_batch) -> hidden_states``,
     ``compute_logits(hidden_states) -> logits`` and ``load_weights(iterable of (name, tensor))``.
-    Two optional class attributes: ``accepts_mm_inputs = True`` (requests may carry images; the
+    Optional class attributes: ``accepts_mm_inputs = True`` (requests may carry images; the
     model reads ``forward_batch.mm_inputs`` and never looks up pad ids ``>= 2**30`` in its
-    embedding) and ``uses_mrope = True`` (positions arrive as ``[3, num_tokens]`` M-RoPE rows).
+    embedding), ``uses_mrope = True`` (positions arrive as ``[3, num_tokens]`` M-RoPE rows) and
+    ``selects_logits_rows = True`` (``forward`` returns only the rows
+    ``forward_batch.logits_indices`` names when it is set, so it can skip work on the others;
+    otherwise the model runner selects them from every row).
     """
 
 

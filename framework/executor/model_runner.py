@@ -232,7 +232,7 @@ class ModelRunner:
             return self.cuda_graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
-        if batch.logits_indices is not None:
+        if batch.logits_indices is not None and not getattr(self.model, "selects_logits_rows", False):
             hidden = hidden.index_select(0, batch.logits_indices)
         return self.model.compute_logits(hidden).float()
 

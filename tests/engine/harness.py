@@ -157,8 +157,10 @@ class MiniRunner:
     def logits(self, fb: ForwardBatch, all_tokens: bool = False) -> torch.Tensor:
         """Run the model; logits of every new token (``all_tokens``) or of each request's last one."""
         assert self.model is not None
+        if all_tokens:
+            fb.logits_indices = None  # every row; a model that selects rows then returns them all
         hidden = self.model(fb.input_ids, fb.positions, fb)
-        if not all_tokens:
+        if fb.logits_indices is not None and not getattr(self.model, "selects_logits_rows", False):
             hidden = hidden[fb.logits_indices]
         return self.model.compute_logits(hidden)
 
