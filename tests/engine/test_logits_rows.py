@@ -33,12 +33,16 @@ def random_prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
 
 
-def mlp_rows(model: torch.nn.Module) -> tuple[list[int], list]:
-    """Rows each layer's MLP receives, in call order (and the hooks, to remove)."""
+def logits_and_mlp_rows(model: torch.nn.Module, runner, fb) -> tuple[torch.Tensor, list[int]]:
+    """The runner's logits for ``fb`` and the rows each layer's MLP received, in call order."""
     seen: list[int] = []
     hooks = [layer.mlp.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
              for layer in model.model.layers]
-    return seen, hooks
+    try:
+        return runner.logits(fb), seen
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def test_selected_rows_equal_transformers_and_the_last_layer_skips_the_others(checkpoint) -> None:
@@ -51,12 +55,7 @@ def test_selected_rows_equal_transformers_and_the_last_layer_skips_the_others(ch
     # them (request 0 holds rows 0-8, request 1 row 9, request 2 rows 10-26).
     rows = [0, 3, 7, 8, 9, 26]
     fb.logits_indices = torch.tensor(rows)
-    seen, hooks = mlp_rows(model)
-    try:
-        got = runner.logits(fb)
-    finally:
-        for h in hooks:
-            h.remove()
+    got, seen = logits_and_mlp_rows(model, runner, fb)
     expected = torch.cat([hf_logits(hf, p) for p in ps])[rows]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     assert seen == [27, len(rows)]  # layer 0 takes every row; the last layer only the selected ones
@@ -71,12 +70,7 @@ def test_a_chunk_that_needs_no_logits_still_fills_the_cache(checkpoint) -> None:
     row = runner.new_request()
     first = runner.extend_batch([row], [prompt[:13]])
     first.logits_indices = torch.empty(0, dtype=torch.int64)
-    seen, hooks = mlp_rows(model)
-    try:
-        none = runner.logits(first)
-    finally:
-        for h in hooks:
-            h.remove()
+    none, seen = logits_and_mlp_rows(model, runner, first)
     assert none.shape == (0, 256) and seen == [13]
     got = runner.logits(runner.extend_batch([row], [prompt[13:]]))
     torch.testing.assert_close(got[0], hf_logits(hf, prompt)[-1], rtol=0, atol=1e-4)
