@@ -46,8 +46,9 @@ def _load() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
     lib.small_gemm_swiglu.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.small_gemm_swiglu.restype = ctypes.c_int
-    lib.small_gemm_max_rows.argtypes = [ctypes.c_int]
-    lib.small_gemm_max_rows.restype = ctypes.c_int
+    for fn in (lib.small_gemm_max_rows, lib.small_gemm_fused_max_rows):
+        fn.argtypes = [ctypes.c_int]
+        fn.restype = ctypes.c_int
     geometry = (lib.small_gemm_panel_cols(), lib.small_gemm_k_align(), lib.small_gemm_max_rows_any())
     if geometry != (PANEL_COLS, K_ALIGN, MAX_ROWS):
         raise RuntimeError("small_gemm.c and small_gemm.py disagree on the panel layout")
@@ -66,6 +67,16 @@ def max_rows(dtype: torch.dtype = torch.float32) -> int:
     unavailable."""
     lib = _load()
     return 0 if lib is None else min(MAX_ROWS, int(lib.small_gemm_max_rows(int(dtype == torch.bfloat16))))
+
+
+@lru_cache(maxsize=2)
+def fused_max_rows(dtype: torch.dtype = torch.float32) -> int:
+    """The most rows a fused decode step (:mod:`framework.models.fused_decode`) runs through the
+    kernel here (``small_gemm_fused_max_rows``: with AVX-512 64 in fp32 and 48 in bf16, more than
+    :func:`max_rows` because the fused step also saves the module path's per-layer calls; with AVX2
+    the same as :func:`max_rows`); 0 when the kernel is unavailable."""
+    lib = _load()
+    return 0 if lib is None else min(MAX_ROWS, int(lib.small_gemm_fused_max_rows(int(dtype == torch.bfloat16))))
 
 
 #: Output columns (weight rows) per panel of the kernel's weight layout (``small_gemm.c``), and

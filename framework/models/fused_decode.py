@@ -10,12 +10,16 @@ None so the model runs its modules:
 - every layer declares :class:`FusableDecoderLayer` and says it is fusable (Qwen3's per-head q/k
   norms are not in the C chain), with packed linears carrying the small-GEMM kernel's weight copy
   (``device.cpu_small_gemm``), a fused SwiGLU and no tensor-parallel collective;
-- the rows fit the small-GEMM kernel (:func:`framework.kernels.small_gemm.max_rows`), so the
-  module path would also have run it;
+- the rows are at most :func:`framework.kernels.small_gemm.fused_max_rows` (64 in fp32 and 48 in
+  bf16 with AVX-512). Up to :func:`~framework.kernels.small_gemm.max_rows` (32 / 24) the module
+  path runs the same kernel; between the two it runs oneDNN's GEMM, which is as fast as the kernel
+  alone there, but the step through the modules measured 9-13% slower at 32-64 rows (per-layer
+  Python and serial torch calls while the other thread waits, oneDNN's static split of the work);
 - the attention backend hands over its decode attention as a C function
   (:meth:`framework.attention.base.AttentionBackend.native_decode`; ``cpu_paged`` does).
 
-The chain computes what the modules compute, bit for bit (tests compare the logits of both).
+The chain computes what the modules compute when they run the same kernel, bit for bit (tests
+compare the logits of both); above ``max_rows`` it differs from oneDNN's GEMMs by fp32 rounding.
 
 The plan (each layer's weight addresses) is rebuilt when the modules or their weights' addresses
 change: weight updates and a CPU weights release/resume repack the linears into new modules.
@@ -217,7 +221,7 @@ class FusedDecoder:
             return None
         plan = self.plan(layers)
         rows = hidden.shape[0]
-        if plan is None or hidden.dtype != plan.dtype or rows == 0 or rows > small_gemm.max_rows(plan.dtype):
+        if plan is None or hidden.dtype != plan.dtype or rows == 0 or rows > small_gemm.fused_max_rows(plan.dtype):
             return None
         cos, sin = cos_sin
         rot = cos.shape[-1]

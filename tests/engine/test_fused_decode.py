@@ -38,13 +38,14 @@ def models(tmp_path_factory):
     return get
 
 
-def decode_batch(eng, n_requests: int, seed: int = 0):
+def decode_batch(eng, n_requests: int, seed: int = 0, new_tokens: int = 6):
     """Prefill ``n_requests`` prompts of different lengths, then run one decode step and return its
     ForwardBatch (the requests keep running: the caller finishes them)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = eng.runner.vocab_size
     rids = [eng.submit(torch.randint(0, vocab, (5 + 7 * i,), generator=gen).tolist(),
-                       {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}) for i in range(n_requests)]
+                       {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True})
+            for i in range(n_requests)]
     sched, runner = eng.scheduler, eng.runner
     while sched.waiting or sched.chunked:
         eng.step()
@@ -94,6 +95,37 @@ def test_fused_step_equals_the_modules_bitwise(engine_factory, models, name, dty
     eng.run_until_done(rids)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_rows_past_the_standalone_limit_are_fused(engine_factory, models, dtype, monkeypatch):
+    """Between ``max_rows`` (where a linear alone goes to oneDNN) and ``fused_max_rows`` the step
+    is still fused: bitwise what the modules give when they run the same kernel at those rows, and
+    within rounding of the modules on oneDNN."""
+    rows = small_gemm.fused_max_rows(dtype)
+    if rows <= small_gemm.max_rows(dtype):
+        pytest.skip("this CPU's build fuses no more rows than a linear alone takes (AVX2)")
+    eng = engine_factory(models("llama"), f"model.dtype={str(dtype).removeprefix('torch.')}",
+                         "kv_cache.max_total_tokens=16384")
+    batch, rids = decode_batch(eng, rows, new_tokens=16)
+    fused, onednn, taken = fused_and_modules(eng, batch)
+    assert taken == 1
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, onednn, atol=1e-4, rtol=1e-4)
+    else:
+        # Two bf16 GEMMs round their outputs differently: allow four bf16 steps at the logits' scale.
+        step = 2.0 ** (torch.floor(torch.log2(onednn.abs().max())).item() - 7)
+        assert (fused - onednn).abs().max().item() <= 4 * step
+    # The module path with the kernel at these rows (as it has up to max_rows): bit for bit.
+    monkeypatch.setattr(small_gemm, "max_rows", lambda dtype=torch.float32: rows)
+    fused_again, kernel_modules, _ = fused_and_modules(eng, batch)
+    assert torch.equal(fused_again, fused) and torch.equal(fused, kernel_modules)
+    # One row more than it takes: the modules run.
+    monkeypatch.setattr(small_gemm, "fused_max_rows", lambda dtype=torch.float32: rows - 1)
+    _, _, taken = fused_and_modules(eng, batch)
+    assert taken == 0
+    monkeypatch.undo()
+    eng.run_until_done(rids)
+
+
 def test_every_decode_step_of_a_run_is_fused(engine_factory, models):
     eng = engine_factory(models("llama"))
     batch, rids = decode_batch(eng, 3)
@@ -119,10 +151,10 @@ def test_a_backend_without_native_decode_runs_the_modules(engine_factory, models
     eng.run_until_done(rids)
 
 
-def test_rows_above_the_small_gemm_limit_run_the_modules(engine_factory, models, monkeypatch):
+def test_rows_above_the_fused_limit_run_the_modules(engine_factory, models, monkeypatch):
     eng = engine_factory(models("llama"))
     batch, rids = decode_batch(eng, 3)
-    monkeypatch.setattr(small_gemm, "max_rows", lambda dtype=torch.float32: 2)
+    monkeypatch.setattr(small_gemm, "fused_max_rows", lambda dtype=torch.float32: 2)
     _, _, taken = fused_and_modules(eng, batch)
     assert taken == 0
     monkeypatch.undo()
