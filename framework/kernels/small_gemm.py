@@ -60,13 +60,18 @@ def kernel_available() -> bool:
     return _load() is not None
 
 
+def _row_limit(c_function: str, dtype: torch.dtype) -> int:
+    """One of the C side's per-build row limits for ``dtype``, at most :data:`MAX_ROWS`; 0 without the kernel."""
+    lib = _load()
+    return 0 if lib is None else min(MAX_ROWS, int(getattr(lib, c_function)(int(dtype == torch.bfloat16))))
+
+
 @lru_cache(maxsize=2)
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
     of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16); 0 when the kernel is
     unavailable."""
-    lib = _load()
-    return 0 if lib is None else min(MAX_ROWS, int(lib.small_gemm_max_rows(int(dtype == torch.bfloat16))))
+    return _row_limit("small_gemm_max_rows", dtype)
 
 
 @lru_cache(maxsize=2)
@@ -75,8 +80,7 @@ def fused_max_rows(dtype: torch.dtype = torch.float32) -> int:
     kernel here (``small_gemm_fused_max_rows``: with AVX-512 64 in fp32 and 48 in bf16, more than
     :func:`max_rows` because the fused step also saves the module path's per-layer calls; with AVX2
     the same as :func:`max_rows`); 0 when the kernel is unavailable."""
-    lib = _load()
-    return 0 if lib is None else min(MAX_ROWS, int(lib.small_gemm_fused_max_rows(int(dtype == torch.bfloat16))))
+    return _row_limit("small_gemm_fused_max_rows", dtype)
 
 
 #: Output columns (weight rows) per panel of the kernel's weight layout (``small_gemm.c``), and
