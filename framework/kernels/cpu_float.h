@@ -27,7 +27,8 @@ static inline uint16_t float_to_bf16(float f) {
 
 /* exp(x) for x <= 0 (scores minus their max), as 2^k * 2^f with a degree-6 polynomial for 2^f on
  * [-0.5, 0.5] (relative error ~1e-7). Unlike libm's expf it is plain arithmetic, so softmax loops
- * vectorise; a call per score was a visible share of the decode kernel. */
+ * vectorise; a call per score was a visible share of the decode kernel. GCC vectorises the floorf
+ * only under -fno-trapping-math: a kernel using this in a loop builds with it. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x; /* below this e^x is under FLT_MIN: keep 2^k a normal float */
     const float y = x * 1.44269504088896341f;
