@@ -100,6 +100,12 @@ class DeviceConfig:
     decode attention to C (``cpu_paged`` does): the same kernels and results as the module path
     where it runs them, without its per-layer Python work (~2 ms a step at batch 1 on a 2-core
     host, 9-13% of a 48-64-row step). false: layer by layer through the modules."""
+    cpu_huge_pages: bool = True
+    """The small-GEMM kernel's weight copies (``cpu_small_gemm``) in one buffer on 2 MiB
+    transparent huge pages, where Linux offers them (THP ``madvise`` or ``always``): a decode step
+    of a few rows streams every weight, and on 4 KiB pages the prefetchers stop at each page
+    boundary. 2-5% faster steps at 1-4 rows on the 2-core Zen 4 host, none measurable from 16 rows
+    (docs/benchmarks.md). Values are unchanged; false: the copies stay on the heap's pages."""
     cpu_keep_freed_memory: Optional[bool] = None
     """CPU, glibc: the C heap keeps the blocks a step frees for the next step (``mallopt``: no
     per-block mmap for large blocks, no trimming) instead of unmapping them, which made the kernel

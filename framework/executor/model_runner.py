@@ -21,6 +21,7 @@ from framework.errors import ConfigError
 from framework.executor.cuda_graph_runner import CudaGraphRunner, maybe_create_cuda_graph_runner
 from framework.executor.forward_batch import ForwardBatch
 from framework.executor.weights import ModelWeights
+from framework.kernels.huge_pages import huge_pages_available
 from framework.kernels.small_gemm import kernel_available as small_gemm_available
 from framework.memory.heap import keep_freed_blocks, process_is_claimed
 from framework.memory.kv_allocator import PagedKVAllocator
@@ -97,7 +98,7 @@ class ModelRunner:
                                  and enable_fused_decode(self.model))
         self.weights = ModelWeights(self.model, model_comp.factory, model_options, self.hf_config, self.dtype,
                                     packed=self.linear_impl == "onednn", saver=self.memory_saver,
-                                    small_gemm=self.small_gemm)
+                                    small_gemm=self.small_gemm, huge_pages=settings.device.cpu_huge_pages)
 
         # This rank's KV heads: a tensor-parallel rank caches only the heads its attention computes.
         self.tp = get_tensor_parallel()
@@ -172,7 +173,7 @@ class ModelRunner:
                                   "allowed values: auto, kernel, onednn")
             return "aten"
         self.small_gemm = self._choose_small_gemm(self.settings.device.cpu_small_gemm.value)
-        pack_linear_layers(self.model, small_gemm=self.small_gemm)
+        pack_linear_layers(self.model, small_gemm=self.small_gemm, huge_pages=self.settings.device.cpu_huge_pages)
         return "onednn"
 
     def _choose_small_gemm(self, choice: str) -> bool:
@@ -275,6 +276,7 @@ class ModelRunner:
             "cpu_small_gemm": self.small_gemm,
             "cpu_fused_decode": self.fused_decode,
             "cpu_keep_freed_memory": self.keeps_freed_memory,
+            "cpu_huge_pages": self.settings.device.cpu_huge_pages and huge_pages_available(),
             "memory_saver": self.memory_saver.name,
             "tp_size": self.tp.size,
             "kv_heads_per_rank": self.kv_heads,

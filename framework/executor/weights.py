@@ -46,12 +46,13 @@ class ModelWeights:
     """Weight operations on a model runner's model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, factory: Any, options: Any, hf_config: Any, dtype: torch.dtype,
-                 packed: bool, saver: MemorySaver, small_gemm: bool = False) -> None:
+                 packed: bool, saver: MemorySaver, small_gemm: bool = False, huge_pages: bool = True) -> None:
         self.model = model
         self._factory, self._options, self._hf_config = factory, options, hf_config
         self.dtype = dtype
         self.packed = packed
         self.small_gemm = small_gemm  # packing again keeps the plain copies the first packing made
+        self.huge_pages = huge_pages  # ... and puts them on huge pages as it did (device.cpu_huge_pages)
         self.saver = saver
         self._skeleton: nn.Module | None = None
         self.released = False
@@ -156,7 +157,7 @@ class ModelWeights:
         try:
             yield
         finally:
-            pack_linear_layers(self.model, small_gemm=self.small_gemm)
+            pack_linear_layers(self.model, small_gemm=self.small_gemm, huge_pages=self.huge_pages)
             trim_heap()  # the dense copies just freed would otherwise stay in the heap
 
     # -- reads -------------------------------------------------------------------------------
@@ -195,7 +196,7 @@ class ModelWeights:
             return
         self.saver.resume("weights")
         if self.packed and not self.saver.preserves_addresses:
-            pack_linear_layers(self.model, small_gemm=self.small_gemm)
+            pack_linear_layers(self.model, small_gemm=self.small_gemm, huge_pages=self.huge_pages)
             # The saver must not keep the dense copies alive: the packed layers replaced them.
             self.saver.track("weights", [], keep_contents=True)
             trim_heap()

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.kernels.huge_pages import empty_on_huge_pages, huge_pages_available
 from framework.kernels.small_gemm import PANEL_COLS, PanelWeight, pack_weight, small_linear
 
 logger = logging.getLogger(__name__)
@@ -257,7 +258,7 @@ def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...], small_gemm: 
     return fused
 
 
-def pack_linear_layers(model: nn.Module, small_gemm: bool = False) -> int:
+def pack_linear_layers(model: nn.Module, small_gemm: bool = False, huge_pages: bool = True) -> int:
     """Replace every ``nn.Linear`` in ``model`` whose weight dtype is in :func:`packable_dtypes` by a
     :class:`PackedLinear` (and the merged SwiGLU projections of modules that declare
     :class:`~framework.models.layers.FusableSwiGLU` by a :class:`PackedSwiGLU`); return how many
@@ -268,10 +269,12 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False) -> int:
     ``small_gemm`` the fp32 and bf16 layers also keep a copy of their weight in the small-GEMM
     kernel's layout (:mod:`framework.kernels.small_gemm`), which runs calls of up to
     ``small_gemm.max_rows(dtype)`` rows (decode steps): faster there than oneDNN, at the price of a
-    second copy of the linear weights.
+    second copy of the linear weights. With ``huge_pages`` those copies go into one buffer on 2 MiB
+    pages where Linux offers them (:func:`gather_small_weights`).
     """
     shared = _shared_parameter_ids(model)
     dtypes = packable_dtypes()
+    packed_before = {id(m) for m in model.modules() if isinstance(m, (PackedLinear, PackedSwiGLU))}
     replaced = _fuse_swiglu(model, dtypes, small_gemm)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -279,8 +282,37 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False) -> int:
                 packed = PackedLinear(child, keep_dense_weight=id(child.weight) in shared, small_gemm=small_gemm)
                 setattr(parent, name, packed)
                 replaced += 1
+    if small_gemm and huge_pages:
+        # Before anything runs on them: the fused decoder takes the copies' addresses at its first step.
+        gather_small_weights([m for m in model.modules()
+                              if isinstance(m, (PackedLinear, PackedSwiGLU)) and id(m) not in packed_before])
     logger.info("packed %d linear layers for oneDNN%s", replaced, " (+ plain copies for small GEMMs)" * small_gemm)
     return replaced
+
+
+def gather_small_weights(modules: list[nn.Module]) -> int:
+    """Move the small-GEMM weight copies of ``modules`` into one buffer on 2 MiB pages (see
+    :mod:`framework.kernels.huge_pages`), each at a 4 KiB boundary in it, one copy at a time (so
+    memory grows by one weight while they move); return the buffer's size, 0 where huge pages are
+    not available (the copies stay where they are). The values are the same bytes either way.
+
+    One buffer rather than one allocation per weight: only the 2 MiB-aligned middle of a buffer can
+    be on huge pages, and the weights' own allocations left a quarter of llama-120m's copy (its
+    2.3 MiB o_proj weights, the ends of the others) on small pages."""
+    owners = [m for m in modules if getattr(m, "small_weight", None) is not None]
+    if not owners or not huge_pages_available():
+        return 0
+    sizes = [-(-m.small_weight.data.numel() * m.small_weight.data.element_size() // 4096) * 4096 for m in owners]
+    buffer = empty_on_huge_pages(sum(sizes))
+    offset = 0
+    for module, size in zip(owners, sizes, strict=True):
+        old = module.small_weight
+        view = buffer[offset:offset + old.data.numel() * old.data.element_size()].view(old.data.dtype)
+        view = view.view(old.data.shape)
+        view.copy_(old.data)
+        module.small_weight = PanelWeight(view, old.out_features, old.in_features)
+        offset += size
+    return offset
 
 
 def small_gemm_extra_bytes(model: nn.Module) -> int:
