@@ -276,7 +276,7 @@ class ModelRunner:
             "cpu_small_gemm": self.small_gemm,
             "cpu_fused_decode": self.fused_decode,
             "cpu_keep_freed_memory": self.keeps_freed_memory,
-            "cpu_huge_pages": self.settings.device.cpu_huge_pages and huge_pages_available(),
+            "cpu_huge_pages": self.small_gemm and self.settings.device.cpu_huge_pages and huge_pages_available(),
             "memory_saver": self.memory_saver.name,
             "tp_size": self.tp.size,
             "kv_heads_per_rank": self.kv_heads,

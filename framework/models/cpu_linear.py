@@ -274,7 +274,6 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False, huge_pages: b
     """
     shared = _shared_parameter_ids(model)
     dtypes = packable_dtypes()
-    packed_before = {id(m) for m in model.modules() if isinstance(m, (PackedLinear, PackedSwiGLU))}
     replaced = _fuse_swiglu(model, dtypes, small_gemm)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -282,19 +281,22 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False, huge_pages: b
                 packed = PackedLinear(child, keep_dense_weight=id(child.weight) in shared, small_gemm=small_gemm)
                 setattr(parent, name, packed)
                 replaced += 1
-    if small_gemm and huge_pages:
-        # Before anything runs on them: the fused decoder takes the copies' addresses at its first step.
-        gather_small_weights([m for m in model.modules()
-                              if isinstance(m, (PackedLinear, PackedSwiGLU)) and id(m) not in packed_before])
+    # Every packed layer's copy, not only the new ones: after a repack of some layers (a weight
+    # update) their old slices of the previous buffer would otherwise stay held by the others until
+    # all are repacked. Gathered before anything runs on them: the fused decoder takes the copies'
+    # addresses at its first step.
+    if small_gemm and huge_pages and replaced:
+        gather_small_weights([m for m in model.modules() if isinstance(m, (PackedLinear, PackedSwiGLU))])
     logger.info("packed %d linear layers for oneDNN%s", replaced, " (+ plain copies for small GEMMs)" * small_gemm)
     return replaced
 
 
 def gather_small_weights(modules: list[nn.Module]) -> int:
     """Move the small-GEMM weight copies of ``modules`` into one buffer on 2 MiB pages (see
-    :mod:`framework.kernels.huge_pages`), each at a 4 KiB boundary in it, one copy at a time (so
-    memory grows by one weight while they move); return the buffer's size, 0 where huge pages are
-    not available (the copies stay where they are). The values are the same bytes either way.
+    :mod:`framework.kernels.huge_pages`), each at a 4 KiB boundary in it, one copy at a time
+    (memory grows by one weight while copies leave their own allocations, by the old buffer until
+    the last copy leaves it on a repack); return the buffer's size, 0 where huge pages are not
+    available (the copies stay where they are). The values are the same bytes either way.
 
     One buffer rather than one allocation per weight: only the 2 MiB-aligned middle of a buffer can
     be on huge pages, and the weights' own allocations left a quarter of llama-120m's copy (its

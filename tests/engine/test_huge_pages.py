@@ -78,3 +78,21 @@ def test_copies_share_one_buffer_on_huge_pages_and_compute_the_same() -> None:
     x = torch.randn(4, 768)  # 4 rows: the small-GEMM kernel's range, so the copies are what runs
     with torch.no_grad():
         assert torch.equal(gathered(x), apart(x))
+
+
+@needs_kernel
+@needs_thp
+def test_a_partial_repack_gathers_every_copy_again() -> None:
+    """Repacking one layer (a weight update of that layer) gathers every copy into a new buffer:
+    none stays in the old one, so the old one (with the repacked layer's stale slice) is freed."""
+    from framework.models.cpu_linear import unpack_linear_layers
+
+    block, reference = _packed(True), _packed(False)
+    shared = block.down_proj.small_weight.data.untyped_storage().data_ptr()
+    unpack_linear_layers(block, {"qkv"})
+    pack_linear_layers(block, small_gemm=True, huge_pages=True)
+    now = {m.small_weight.data.untyped_storage().data_ptr() for m in (block.qkv, block.gate_up_proj, block.down_proj)}
+    assert len(now) == 1 and shared not in now
+    x = torch.randn(4, 768)
+    with torch.no_grad():
+        assert torch.equal(block(x), reference(x))
