@@ -10,7 +10,7 @@ alternating; see docs/benchmarks.md).
 How: Linux's transparent huge pages in ``madvise`` mode (Debian's default) back a region with huge
 pages only if it asks (``MADV_HUGEPAGE``) before its pages are first touched; memory touched before
 stays on small pages until ``khugepaged`` gets to it, minutes later (``MADV_COLLAPSE`` does it at
-once but measured 2.5 s per GB). So the buffer is allocated untouched, marked, then filled. Best
+once but measured 2.5 s per GB). So the buffer is mapped untouched, marked, then filled. Best
 effort: where THP is ``never`` or absent the buffer is plain memory, and the values never differ.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -60,18 +61,25 @@ def _madvise() -> ctypes._CFuncPtr | None:
 
 
 def empty_on_huge_pages(nbytes: int) -> torch.Tensor:
-    """An uninitialised CPU byte tensor of ``nbytes`` starting on a 2 MiB boundary, its memory marked
-    for huge pages before anything touches it (at most 2 MiB more is allocated, for the alignment).
-    A plain ``torch.empty`` where huge pages are not available or ``nbytes`` is under one."""
+    """A zero-filled CPU byte tensor of ``nbytes`` starting on a 2 MiB boundary, in a mapping of its
+    own marked for huge pages before anything touches it (2 MiB more is mapped, for the alignment;
+    unmapped when the tensor is freed). Not resizable (``torch.frombuffer``). A plain
+    ``torch.empty`` where huge pages are not available or ``nbytes`` is under one.
+
+    A mapping of its own, not a block of the C heap: a heap block may reuse pages already touched,
+    which stay small, and with ``device.cpu_keep_freed_memory`` every block comes from the heap."""
     if nbytes < HUGE_PAGE or not huge_pages_available():
         return torch.empty(nbytes, dtype=torch.uint8)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE
-    start = raw.data_ptr() + offset
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    probe = ctypes.c_char.from_buffer(region)
+    address = ctypes.addressof(probe)
+    del probe  # its export of the buffer, so torch's is the only one
+    offset = -address % HUGE_PAGE
     # Whole 4 KiB pages of what the caller gets (+ the slack after it, which is ours too).
-    length = (raw.numel() - offset) // _PAGE * _PAGE
-    _madvise()(start, length, _MADV_HUGEPAGE)  # a refusal leaves small pages: nothing else changes
-    return raw[offset:offset + nbytes]
+    length = (len(region) - offset) // _PAGE * _PAGE
+    _madvise()(address + offset, length, _MADV_HUGEPAGE)  # a refusal leaves small pages: no harm
+    # The tensor holds the mapping (torch keeps its buffer export until the storage dies).
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
 def huge_page_bytes(t: torch.Tensor) -> int | None:

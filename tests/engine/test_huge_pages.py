@@ -29,6 +29,31 @@ def test_buffer_starts_on_a_huge_page_and_gets_huge_pages_once_filled() -> None:
     assert huge_page_bytes(buf) >= 3 * HUGE_PAGE
 
 
+_AFTER_KEPT_BLOCKS = """
+import torch
+from framework.kernels.huge_pages import HUGE_PAGE, empty_on_huge_pages, huge_page_bytes
+from framework.memory.heap import keep_freed_blocks
+assert keep_freed_blocks()
+torch.ones(64 << 20, dtype=torch.uint8).fill_(2)  # a large block, touched and freed into the heap
+buf = empty_on_huge_pages(5 * HUGE_PAGE)
+buf.fill_(7)
+print(huge_page_bytes(buf))
+"""
+
+
+@needs_thp
+def test_huge_pages_also_with_the_heap_keeping_freed_blocks() -> None:
+    """``device.cpu_keep_freed_memory`` serves every block from the heap, whose pages may have been
+    touched already (and stay small): the buffer must come from a mapping of its own (a child
+    process, since the heap's settings are the whole process's)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _AFTER_KEPT_BLOCKS], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.split()[-1]) >= 3 * HUGE_PAGE
+
+
 def test_small_requests_are_plain_memory() -> None:
     buf = empty_on_huge_pages(1000)
     assert buf.numel() == 1000 and buf.dtype == torch.uint8
