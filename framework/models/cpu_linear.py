@@ -304,16 +304,15 @@ def gather_small_weights(modules: list[nn.Module]) -> int:
     owners = [m for m in modules if getattr(m, "small_weight", None) is not None]
     if not owners or not huge_pages_available():
         return 0
-    sizes = [-(-m.small_weight.data.numel() * m.small_weight.data.element_size() // 4096) * 4096 for m in owners]
-    buffer = empty_on_huge_pages(sum(sizes))
+    slots = [-(-m.small_weight.data.nbytes // 4096) * 4096 for m in owners]
+    buffer = empty_on_huge_pages(sum(slots))
     offset = 0
-    for module, size in zip(owners, sizes, strict=True):
+    for module, slot in zip(owners, slots, strict=True):
         old = module.small_weight
-        view = buffer[offset:offset + old.data.numel() * old.data.element_size()].view(old.data.dtype)
-        view = view.view(old.data.shape)
+        view = buffer[offset:offset + old.data.nbytes].view(old.data.dtype).view(old.data.shape)
         view.copy_(old.data)
         module.small_weight = PanelWeight(view, old.out_features, old.in_features)
-        offset += size
+        offset += slot
     return offset
 
 
