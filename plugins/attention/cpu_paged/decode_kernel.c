@@ -85,8 +85,17 @@ static inline void axpy(float *y, float a, const void *x, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; ++i) y[i] += a * kv_at(x, i, bf16);
 }
 
-/* Ask for the next token's row ahead of use: rows sit wherever the page table puts them, so the
- * hardware prefetcher cannot guess the next one. */
+/* Ask for a token's row ahead of use: rows sit wherever the page table puts them, so the hardware
+ * prefetcher cannot guess the next one. PREFETCH_TOKENS rows ahead (the first ones before the loop),
+ * not one: a row's scores (or its weighted sum) take ~150 ns of compute here, about one memory
+ * latency, so a prefetch one row ahead arrived just in time at best. Zen 4 host, 12 layers of fp32
+ * KV, against the one-row-ahead build alternating in one process (medians of 10): 64 requests x 150
+ * tokens 0.92-1.0x (no gain in the minutes the memory reads at ~29 GB/s), x 300 0.88-0.93x;
+ * 16 x 150 0.91x; 4 x 200 0.90-0.96x; 1 x 600 0.81-0.84x (spans); 1 x 150 0.99-1.05x. Anything
+ * from 2 to 12 rows ahead gained; 6 and 8 most. */
+#ifndef PREFETCH_TOKENS
+#define PREFETCH_TOKENS 6
+#endif
 static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)row + i, 0, 1);
 }
@@ -108,9 +117,12 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
         memset(ob, 0, sizeof(float) * (size_t)(nq * d));
         if (len <= 0) continue;
         /* pass 1: scores of every head against each token's whole K row */
+        for (int64_t t = 1; t < len && t < PREFETCH_TOKENS; ++t)
+            prefetch_row(kv_row(j->k, (int64_t)slots[t] * row_elems, bf16), row_bytes);
         for (int64_t t = 0; t < len; ++t) {
             const void *kr = kv_row(j->k, (int64_t)slots[t] * row_elems, bf16);
-            if (t + 1 < len) prefetch_row(kv_row(j->k, (int64_t)slots[t + 1] * row_elems, bf16), row_bytes);
+            if (t + PREFETCH_TOKENS < len)
+                prefetch_row(kv_row(j->k, (int64_t)slots[t + PREFETCH_TOKENS] * row_elems, bf16), row_bytes);
             for (int64_t qi = 0; qi < nq; ++qi)
                 scores[qi * len + t] = dot(qb + qi * d, kv_row(kr, (qi / group) * d, bf16), d, bf16) * j->scale;
         }
@@ -132,9 +144,12 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
             }
         }
         /* pass 2: weighted sum of the values, each V row read whole */
+        for (int64_t t = 1; t < len && t < PREFETCH_TOKENS; ++t)
+            prefetch_row(kv_row(j->v, (int64_t)slots[t] * row_elems, bf16), row_bytes);
         for (int64_t t = 0; t < len; ++t) {
             const void *vr = kv_row(j->v, (int64_t)slots[t] * row_elems, bf16);
-            if (t + 1 < len) prefetch_row(kv_row(j->v, (int64_t)slots[t + 1] * row_elems, bf16), row_bytes);
+            if (t + PREFETCH_TOKENS < len)
+                prefetch_row(kv_row(j->v, (int64_t)slots[t + PREFETCH_TOKENS] * row_elems, bf16), row_bytes);
             for (int64_t qi = 0; qi < nq; ++qi)
                 axpy(ob + qi * d, scores[qi * len + t], kv_row(vr, (qi / group) * d, bf16), d, bf16);
         }
