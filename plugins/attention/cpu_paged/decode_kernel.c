@@ -90,9 +90,10 @@ static inline void axpy(float *y, float a, const void *x, int64_t n, int bf16) {
  * not one: a row's scores (or its weighted sum) take ~150 ns of compute here, about one memory
  * latency, so a prefetch one row ahead arrived just in time at best. Zen 4 host, 12 layers of fp32
  * KV, against the one-row-ahead build alternating in one process (medians of 10): 64 requests x 150
- * tokens 0.92-1.0x (no gain in the minutes the memory reads at ~29 GB/s), x 300 0.88-0.93x;
- * 16 x 150 0.91x; 4 x 200 0.90-0.96x; 1 x 600 0.81-0.84x (spans); 1 x 150 0.99-1.05x. Anything
- * from 2 to 12 rows ahead gained; 6 and 8 most. */
+ * tokens 0.92-1.0x in seven runs (and 1.15x once), x 300 0.88-0.93x; 16 x 150 0.91x (1.02x once);
+ * 4 x 200 0.90-0.96x; 1 x 600 0.81-0.84x (spans); 1 x 150 0.99-1.05x. In the minutes the memory
+ * reads at ~29 GB/s every build reads at that rate. 2 to 12 rows ahead all gained, 6 and 8 most;
+ * prefetching only a row's first 256 bytes or every other line was no better. */
 #ifndef PREFETCH_TOKENS
 #define PREFETCH_TOKENS 6
 #endif
