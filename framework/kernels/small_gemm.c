@@ -62,15 +62,22 @@
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
+/* The rows of a tile: M rows in ceil(M / MR_MAX) blocks of equal size (the last one smaller). */
+static inline int64_t block_rows(int64_t M, int mr_max) {
+    const int64_t blocks = (M + mr_max - 1) / mr_max;
+    return (M + blocks - 1) / blocks;
+}
+
 typedef struct {
-    const float *x;                /* M rows of Kp fp32, zero past K (a scratch copy of the input) */
+    const float *x;                /* M rows of Kp fp32, zero past K (a scratch copy of the input); with
+                                    * x_blocked, row block by row block, each k-major */
     const uint16_t *xb;            /* the same as bf16 (bf16 only) */
     const void *w;                 /* the weight in column panels: float or uint16_t bf16 bits */
     const void *bias;              /* N, the weight's type, or NULL */
     const void *add; int64_t ld_add;  /* M rows of N, the weight's type, or NULL */
     void *y; int64_t ldy;          /* M rows of N, the weight's type */
     int64_t M, N, Kp;              /* N: the real output columns; Kp: K rounded up to K_ALIGN */
-    int bf16;
+    int bf16, x_blocked;
     void *act; int64_t ld_act;     /* SwiGLU output (M rows of N / 2, the weight's type), or NULL: then y
                                     * is a scratch [gate; up] and act gets silu(gate) * up */
 } gemm_args;
@@ -141,6 +148,19 @@ static inline void store_row(const gemm_args *a, int64_t panel, int64_t m, const
 #ifndef MR_MAX
 #define MR_MAX 4
 #endif
+#endif
+
+/* The fp32 vector tile broadcasts x[m, k] for each of its rows at each k: from a row-major copy
+ * that is one cache line per row at a time (12 lines in flight at 12 rows), from a block stored
+ * k-major one or two. So a call of two or more row blocks gets its fp32 input copied block by
+ * block, each k-major (x_blocked). llama-120m's 49 decode GEMMs, alternating with the row-major
+ * build: 48 rows (4 blocks of 12) 0.95x, 64 rows 0.97-0.99x, 16-32 rows 0.99-1.0x; at one block
+ * (up to 12 rows) it measured 1.03-1.06x slower at 4 and 8 rows, so those keep rows. The bf16 and
+ * scalar tiles read rows, and so do the AVX2 ones (2-row tiles: not measured there). */
+#if defined(SMALL_GEMM_VECTOR) && MR_MAX > 6
+#define X_BLOCKED 1
+#else
+#define X_BLOCKED 0
 #endif
 
 #if MR_MAX > 12
@@ -220,9 +240,9 @@ INLINE void finish_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int
 /* Input rows m0..m0+mr against one fp32 panel. mr is a constant where this is inlined (see tile),
  * so the accumulators stay in registers. */
 INLINE void tile_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr, const int prefetch,
-                     const char *ahead) {
+                     const char *ahead, const int blocked) {
     const float *wp = (const float *)a->w + panel * a->Kp * PANEL_COLS;
-    const float *x = a->x + m0 * a->Kp;
+    const float *x = a->x + m0 * a->Kp; /* this row block: x[m, k] at k * mr + m if blocked */
     VEC acc[MR_MAX][PANEL_VECS];
     for (int m = 0; m < mr; m++)
         for (int v = 0; v < PANEL_VECS; v++) acc[m][v] = VZERO();
@@ -233,7 +253,7 @@ INLINE void tile_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr
         VEC w[PANEL_VECS];
         for (int v = 0; v < PANEL_VECS; v++) w[v] = VLOAD(row + v * VLEN);
         for (int m = 0; m < mr; m++) {
-            const VEC xv = VSET1(x[m * a->Kp + k]);
+            const VEC xv = VSET1(blocked ? x[k * mr + m] : x[m * a->Kp + k]);
             for (int v = 0; v < PANEL_VECS; v++) acc[m][v] = VFMA(w[v], xv, acc[m][v]);
         }
     }
@@ -274,34 +294,52 @@ INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int m
     finish_bf16(a, panel, m0, mr, acc);
 }
 
-#define TILE_CASE(n, ahead) \
+#define TILE_CASE(n, ahead, blocked) \
     case n: \
-        if (a->bf16) tile_bf16(a, panel, m0, n, prefetch, ahead); else tile_f32(a, panel, m0, n, prefetch, ahead); \
+        if (a->bf16) tile_bf16(a, panel, m0, n, prefetch, ahead); \
+        else tile_f32(a, panel, m0, n, prefetch, ahead, blocked); \
         break;
+#if MR_MAX > 6
+#define TILE_CASES_7_12(ahead, blocked) \
+    TILE_CASE(7, ahead, blocked) TILE_CASE(8, ahead, blocked) TILE_CASE(9, ahead, blocked) \
+    TILE_CASE(10, ahead, blocked) TILE_CASE(11, ahead, blocked) TILE_CASE(12, ahead, blocked)
+#else
+#define TILE_CASES_7_12(ahead, blocked)
+#endif
+#if MR_MAX > 2
+#define TILE_CASES_3_6(ahead, blocked) \
+    TILE_CASE(3, ahead, blocked) TILE_CASE(4, ahead, blocked) TILE_CASE(5, ahead, blocked) TILE_CASE(6, ahead, blocked)
+#else
+#define TILE_CASES_3_6(ahead, blocked)
+#endif
 /* One tile, its row count made a constant for the compiler. prefetch: stream its own panel ahead
  * (PREFETCH_BYTES); ahead: where the next panel's lines to fetch while it runs begin, or NULL. A
- * tile with `ahead` is its own instance (only two-block calls, blocks of 6-12 rows, use it): the
- * check in the k loop of every tile cost 3% at 64 rows. */
+ * tile with `ahead`, and one reading a blocked input, is an instance of its own (only calls of two
+ * or more blocks use them): a check in the k loop of every tile cost 3% at 64 rows. */
 static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int prefetch, const char *ahead) {
-    if (ahead && mr >= 6) {
+    if (ahead && mr >= 6 && a->x_blocked) {
         switch (mr) {
-#if MR_MAX > 6
-            TILE_CASE(6, ahead) TILE_CASE(7, ahead) TILE_CASE(8, ahead) TILE_CASE(9, ahead)
-            TILE_CASE(10, ahead) TILE_CASE(11, ahead) TILE_CASE(12, ahead)
-#endif
+            TILE_CASE(6, ahead, 1) TILE_CASES_7_12(ahead, 1)
+            default: break;
+        }
+        return;
+    }
+    if (ahead && mr >= 6) { /* bf16 */
+        switch (mr) {
+            TILE_CASE(6, ahead, 0) TILE_CASES_7_12(ahead, 0)
+            default: break;
+        }
+        return;
+    }
+    if (a->x_blocked) {
+        switch (mr) {
+            TILE_CASE(1, NULL, 1) TILE_CASE(2, NULL, 1) TILE_CASES_3_6(NULL, 1) TILE_CASES_7_12(NULL, 1)
             default: break;
         }
         return;
     }
     switch (mr) {
-        TILE_CASE(1, NULL) TILE_CASE(2, NULL)
-#if MR_MAX > 2
-        TILE_CASE(3, NULL) TILE_CASE(4, NULL) TILE_CASE(5, NULL) TILE_CASE(6, NULL)
-#endif
-#if MR_MAX > 6
-        TILE_CASE(7, NULL) TILE_CASE(8, NULL) TILE_CASE(9, NULL) TILE_CASE(10, NULL) TILE_CASE(11, NULL)
-        TILE_CASE(12, NULL)
-#endif
+        TILE_CASE(1, NULL, 0) TILE_CASE(2, NULL, 0) TILE_CASES_3_6(NULL, 0) TILE_CASES_7_12(NULL, 0)
         default: break;
     }
 }
@@ -342,7 +380,7 @@ static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int pref
  * fp32 13 rows 0.87x, 16 rows 0.925x, 20-24 rows 1.0x; bf16 16 rows 0.94x. With three or more
  * blocks (25+ rows) it cost 3-4% (spread over all blocks too), so they keep the old stream. */
 static int panel_rows(const gemm_args *a, int64_t p, int64_t next, int prefetched) {
-    const int64_t blocks = (a->M + MR_MAX - 1) / MR_MAX, mr = (a->M + blocks - 1) / blocks;
+    const int64_t blocks = (a->M + MR_MAX - 1) / MR_MAX, mr = block_rows(a->M, MR_MAX);
     const int64_t panel_bytes = a->Kp * PANEL_COLS * (a->bf16 ? 2 : 4);
     const char *next_panel = next < 0 || blocks != 2 || MR_MAX <= 6 ? NULL : (const char *)a->w + next * panel_bytes;
     int64_t b = 0;
@@ -466,7 +504,17 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
         return -2;
     }
     if (act) y = scratch;
-    for (int64_t m = 0; m < M; m++) {
+    const int x_blocked = !bf16 && X_BLOCKED && M > MR_MAX;
+    if (x_blocked) {
+        const int64_t mr = block_rows(M, MR_MAX);
+        for (int64_t m0 = 0; m0 < M; m0 += mr) {
+            const int64_t rows = M - m0 < mr ? M - m0 : mr;
+            for (int64_t k = 0; k < Kp; k++)
+                for (int64_t m = 0; m < rows; m++)
+                    xf[m0 * Kp + k * rows + m] = k < K ? ((const float *)x)[(m0 + m) * ldx + k] : 0.0f;
+        }
+    }
+    for (int64_t m = 0; m < M && !x_blocked; m++) {
         for (int64_t k = 0; k < Kp; k++) {
             if (!bf16) {
                 xf[m * Kp + k] = k < K ? ((const float *)x)[m * ldx + k] : 0.0f;
@@ -477,7 +525,7 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
             xf[m * Kp + k] = bf16_to_float(h);
         }
     }
-    gemm_args a = {xf, xb, w, bias, add, ld_add, y, ldy, M, N, Kp, bf16, act, ld_act};
+    gemm_args a = {xf, xb, w, bias, add, ld_add, y, ldy, M, N, Kp, bf16, x_blocked, act, ld_act};
     int rc = run(&a, threads);
     free(xf);
     free(xb);
