@@ -70,8 +70,8 @@ static inline int64_t block_rows(int64_t M, int mr_max) {
 
 typedef struct {
     const float *x;                /* M rows of Kp fp32, zero past K (a scratch copy of the input); with
-                                    * x_blocked, row block by row block, each k-major */
-    const uint16_t *xb;            /* the same as bf16 (bf16 only) */
+                                    * x_blocked (fp32), row block by row block, each k-major */
+    const uint16_t *xb;            /* the same as bf16 (bf16 only); with x_blocked, by blocks of k pairs */
     const void *w;                 /* the weight in column panels: float or uint16_t bf16 bits */
     const void *bias;              /* N, the weight's type, or NULL */
     const void *add; int64_t ld_add;  /* M rows of N, the weight's type, or NULL */
@@ -150,17 +150,23 @@ static inline void store_row(const gemm_args *a, int64_t panel, int64_t m, const
 #endif
 #endif
 
-/* The fp32 vector tile broadcasts x[m, k] for each of its rows at each k: from a row-major copy
- * that is one cache line per row at a time (12 lines in flight at 12 rows), from a block stored
- * k-major one or two. So a call of two or more row blocks gets its fp32 input copied block by
- * block, each k-major (x_blocked). llama-120m's 49 decode GEMMs, alternating with the row-major
- * build: 48 rows (4 blocks of 12) 0.95x, 64 rows 0.97-0.99x, 16-32 rows 0.99-1.0x; at one block
- * (up to 12 rows) it measured 1.03-1.06x slower at 4 and 8 rows, so those keep rows. The bf16 and
- * scalar tiles read rows, and so do the AVX2 ones (2-row tiles: not measured there). */
+/* A vector tile broadcasts x[m, k] (bf16: the pair x[m, k..k+1]) for each of its rows at each k:
+ * from a row-major copy that is one cache line per row at a time (12 lines in flight at 12 rows),
+ * from a block stored k-major one or two. So a call of two or more row blocks gets its input copied
+ * block by block, each k-major (x_blocked; bf16 where the tile reads pairs, AVX512-BF16). llama-120m's
+ * 49 decode GEMMs, alternating with the row-major build: fp32 24 rows (2 blocks of 12) 0.91x, 48
+ * rows 0.94-0.95x, 64 rows 0.97-0.99x, 16 and 32 rows 0.99-1.0x; bf16 16 rows 0.95x, 24 0.93x, 32
+ * 0.95x, 48 0.93x. At one block (up to 12 rows) it measured 1.03-1.06x slower at 4 and 8 rows
+ * (fp32), so those keep rows, and so do the AVX2 and scalar tiles (not measured there). */
 #if defined(SMALL_GEMM_VECTOR) && MR_MAX > 6
 #define X_BLOCKED 1
 #else
 #define X_BLOCKED 0
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define XB_BLOCKED 1
+#else
+#define XB_BLOCKED 0
 #endif
 
 #if MR_MAX > 12
@@ -262,7 +268,7 @@ INLINE void tile_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr
 
 /* The same for a bf16 panel, a pair of k per step. */
 INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int mr, const int prefetch,
-                      const char *ahead) {
+                      const char *ahead, const int blocked) {
     const uint16_t *wp = (const uint16_t *)a->w + panel * a->Kp * PANEL_COLS;
     VEC acc[MR_MAX][PANEL_VECS];
     for (int m = 0; m < mr; m++)
@@ -276,7 +282,7 @@ INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int m
         for (int v = 0; v < PANEL_VECS; v++) w[v] = (__m512bh)ILOAD(row + v * 2 * VLEN);
         for (int m = 0; m < mr; m++) {
             int32_t pair;
-            memcpy(&pair, a->xb + (m0 + m) * a->Kp + k, sizeof pair);
+            memcpy(&pair, blocked ? a->xb + m0 * a->Kp + k * mr + 2 * m : a->xb + (m0 + m) * a->Kp + k, sizeof pair);
             const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
             for (int v = 0; v < PANEL_VECS; v++) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], w[v], xv);
         }
@@ -296,7 +302,7 @@ INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int m
 
 #define TILE_CASE(n, ahead, blocked) \
     case n: \
-        if (a->bf16) tile_bf16(a, panel, m0, n, prefetch, ahead); \
+        if (a->bf16) tile_bf16(a, panel, m0, n, prefetch, ahead, blocked); \
         else tile_f32(a, panel, m0, n, prefetch, ahead, blocked); \
         break;
 #if MR_MAX > 6
@@ -317,16 +323,9 @@ INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int m
  * tile with `ahead`, and one reading a blocked input, is an instance of its own (only calls of two
  * or more blocks use them): a check in the k loop of every tile cost 3% at 64 rows. */
 static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int prefetch, const char *ahead) {
-    if (ahead && mr >= 6 && a->x_blocked) {
+    if (ahead && mr >= 6) {
         switch (mr) {
             TILE_CASE(6, ahead, 1) TILE_CASES_7_12(ahead, 1)
-            default: break;
-        }
-        return;
-    }
-    if (ahead && mr >= 6) { /* bf16 */
-        switch (mr) {
-            TILE_CASE(6, ahead, 0) TILE_CASES_7_12(ahead, 0)
             default: break;
         }
         return;
@@ -504,8 +503,20 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
         return -2;
     }
     if (act) y = scratch;
-    const int x_blocked = !bf16 && X_BLOCKED && M > MR_MAX;
-    if (x_blocked) {
+    const int x_blocked = X_BLOCKED && (!bf16 || XB_BLOCKED) && M > MR_MAX;
+    if (x_blocked && bf16) {
+        const int64_t mr = block_rows(M, MR_MAX);
+        for (int64_t m0 = 0; m0 < M; m0 += mr) {
+            const int64_t rows = M - m0 < mr ? M - m0 : mr;
+            for (int64_t k = 0; k < Kp; k += 2)
+                for (int64_t m = 0; m < rows; m++)
+                    for (int64_t h = 0; h < 2; h++) {
+                        const uint16_t *row = (const uint16_t *)x + (m0 + m) * ldx;
+                        xb[m0 * Kp + k * rows + 2 * m + h] = k + h < K ? row[k + h] : 0;
+                    }
+        }
+    }
+    if (x_blocked && !bf16) {
         const int64_t mr = block_rows(M, MR_MAX);
         for (int64_t m0 = 0; m0 < M; m0 += mr) {
             const int64_t rows = M - m0 < mr ? M - m0 : mr;
@@ -514,14 +525,14 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
                     xf[m0 * Kp + k * rows + m] = k < K ? ((const float *)x)[(m0 + m) * ldx + k] : 0.0f;
         }
     }
-    for (int64_t m = 0; m < M && !x_blocked; m++) {
+    for (int64_t m = 0; m < M && !(x_blocked && !bf16); m++) {
         for (int64_t k = 0; k < Kp; k++) {
             if (!bf16) {
                 xf[m * Kp + k] = k < K ? ((const float *)x)[m * ldx + k] : 0.0f;
                 continue;
             }
             const uint16_t h = k < K ? ((const uint16_t *)x)[m * ldx + k] : 0;
-            xb[m * Kp + k] = h;
+            if (!x_blocked) xb[m * Kp + k] = h;
             xf[m * Kp + k] = bf16_to_float(h);
         }
     }

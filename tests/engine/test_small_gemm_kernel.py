@@ -75,12 +75,13 @@ def _assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expe
     assert torch.all(err <= bound.view_as(err)), float((err / bound.view_as(err)).max())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 30, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 30, 37, 61, 64])
 @pytest.mark.parametrize("n_out,k_in", [(40, 24), (130, 768), (257, 1001), (3, 8), (64, 5)])
 def test_matches_float64_reference(rows: int, n_out: int, k_in: int, kernel_variant: str) -> None:
     """Row counts within one tile and over several row blocks (2 rows a tile on AVX2, up to 12 on
-    AVX-512), outputs around the 32-column panels and the per-thread split, input lengths with and
-    without a tail past the last multiple of 8."""
+    AVX-512, where two or more blocks read a block-wise copy of the input: 37 and 61 rows end on a
+    smaller block), outputs around the 32-column panels and the per-thread split, input lengths with
+    and without a tail past the last multiple of 8."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out + k_in)
     x, w = torch.randn(rows, k_in, generator=g), torch.randn(n_out, k_in, generator=g)
     got = _linear(x, w)
@@ -134,7 +135,7 @@ def _bf16_bounds(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, add: torc
     return lo, hi
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 24])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 24, 37, 48])
 @pytest.mark.parametrize("n_out,k_in", [(40, 24), (257, 1001), (3, 8), (64, 5), (96, 40)])
 @pytest.mark.parametrize("with_add", [False, True])
 def test_bf16_within_fp32_accumulation_of_the_exact_result(rows: int, n_out: int, k_in: int, with_add: bool,
@@ -154,7 +155,7 @@ def test_bf16_within_fp32_accumulation_of_the_exact_result(rows: int, n_out: int
     assert torch.all((lo.float() <= got.float()) & (got.float() <= hi.float()))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 13])
+@pytest.mark.parametrize("rows", [1, 3, 4, 13, 37])
 @pytest.mark.parametrize("half,k_in", [(64, 96), (224, 130), (32, 5)])
 def test_swiglu_is_silu_of_gate_times_up(rows: int, half: int, k_in: int, kernel_variant: str) -> None:
     """``swiglu=True`` on a merged ``[gate; up]`` weight: fp32 within float rounding of SiLU(gate) *
