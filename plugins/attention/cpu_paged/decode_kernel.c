@@ -101,6 +101,13 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)row + i, 0, 1);
 }
 
+/* The rows of tokens [from, to) (clipped to len) of a unit's K or V, ahead of use. */
+static inline void prefetch_tokens(const void *base, const int32_t *slots, int64_t from, int64_t to, int64_t len,
+                                   int64_t row_elems, int64_t row_bytes, int bf16) {
+    for (int64_t t = from; t < to && t < len; ++t)
+        prefetch_row(kv_row(base, (int64_t)slots[t] * row_elems, bf16), row_bytes);
+}
+
 static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16) {
     const int64_t d = j->head_dim, nq = j->num_heads, group = nq / j->kv_heads;
     const int64_t row_elems = j->kv_heads * d, row_bytes = row_elems * (bf16 ? 2 : 4);
@@ -118,12 +125,10 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
         memset(ob, 0, sizeof(float) * (size_t)(nq * d));
         if (len <= 0) continue;
         /* pass 1: scores of every head against each token's whole K row */
-        for (int64_t t = 1; t < len && t < PREFETCH_TOKENS; ++t)
-            prefetch_row(kv_row(j->k, (int64_t)slots[t] * row_elems, bf16), row_bytes);
+        prefetch_tokens(j->k, slots, 1, PREFETCH_TOKENS, len, row_elems, row_bytes, bf16);
         for (int64_t t = 0; t < len; ++t) {
             const void *kr = kv_row(j->k, (int64_t)slots[t] * row_elems, bf16);
-            if (t + PREFETCH_TOKENS < len)
-                prefetch_row(kv_row(j->k, (int64_t)slots[t + PREFETCH_TOKENS] * row_elems, bf16), row_bytes);
+            prefetch_tokens(j->k, slots, t + PREFETCH_TOKENS, t + PREFETCH_TOKENS + 1, len, row_elems, row_bytes, bf16);
             for (int64_t qi = 0; qi < nq; ++qi)
                 scores[qi * len + t] = dot(qb + qi * d, kv_row(kr, (qi / group) * d, bf16), d, bf16) * j->scale;
         }
@@ -145,12 +150,10 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
             }
         }
         /* pass 2: weighted sum of the values, each V row read whole */
-        for (int64_t t = 1; t < len && t < PREFETCH_TOKENS; ++t)
-            prefetch_row(kv_row(j->v, (int64_t)slots[t] * row_elems, bf16), row_bytes);
+        prefetch_tokens(j->v, slots, 1, PREFETCH_TOKENS, len, row_elems, row_bytes, bf16);
         for (int64_t t = 0; t < len; ++t) {
             const void *vr = kv_row(j->v, (int64_t)slots[t] * row_elems, bf16);
-            if (t + PREFETCH_TOKENS < len)
-                prefetch_row(kv_row(j->v, (int64_t)slots[t + PREFETCH_TOKENS] * row_elems, bf16), row_bytes);
+            prefetch_tokens(j->v, slots, t + PREFETCH_TOKENS, t + PREFETCH_TOKENS + 1, len, row_elems, row_bytes, bf16);
             for (int64_t qi = 0; qi < nq; ++qi)
                 axpy(ob + qi * d, scores[qi * len + t], kv_row(vr, (qi / group) * d, bf16), d, bf16);
         }
