@@ -9,7 +9,10 @@ is skipped entirely when no row of the batch needs it.
 Logprobs are those of the *raw* model logits (``log_softmax`` before penalties, temperature and
 filtering), which is vLLM's default and what OpenAI clients expect to compare across settings.
 
-Seeded rows: the noise of a row with a seed is drawn from a generator seeded by
+Drawing: greedy rows take the argmax; the others one uniform each, mapped through the row's
+cumulative distribution (inverse CDF, in float64; a C kernel on CPU, :mod:`framework.kernels.sampling`).
+
+Seeded rows: the uniform of a row with a seed is drawn from a generator seeded by
 ``mix(seed, number of output tokens so far)``, so its tokens do not depend on which other requests
 share the batch, their order, or on retraction and re-prefill. Rows without a seed use the global
 torch RNG.
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from framework.kernels.sampling import argmax_rows as argmax_rows_kernel
+from framework.kernels.sampling import inverse_cdf_torch, sample_from_probs
 from framework.plugins import get_registry
 from framework.sampling.grammar_mask import apply_token_bitmask
 from framework.sampling.logit_bias import BatchLogitBias, apply_logit_bias
@@ -273,16 +278,15 @@ class Sampler:
         if info.token_bitmask is not None:  # after penalties: a disallowed token stays impossible
             scores = apply_token_bitmask(scores, info.token_bitmask)
         if info.all_greedy:
-            next_ids = scores.argmax(dim=-1)
+            next_ids = argmax_rows(scores)
         else:
             probs = filtered_probs(scores, info, normalize=False)
-            noise = torch.empty_like(probs).exponential_()
-            self._seeded_noise(noise, info)
-            # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability
-            # p_i / sum(p), with no normalisation and no sync. Clamping keeps E > 0 (0 / 0 = NaN).
-            next_ids = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+            # Inverse CDF: one uniform per row picks i with probability p_i / sum(p), with no
+            # normalisation and no sync (an exponential race, argmax p_i / E_i, would need a draw
+            # per vocabulary entry: ~37 ms a 64-row step on CPU; see framework/kernels/sampling.c).
+            next_ids = draw_from_probs(probs, self._uniforms(info, probs.device))
             if info.any_greedy:
-                next_ids = torch.where(info.greedy_mask, scores.argmax(dim=-1), next_ids)
+                next_ids = torch.where(info.greedy_mask, argmax_rows(scores), next_ids)
         out = _with_logprobs(logits, next_ids, top_logprobs_nums, return_logprobs)
         if token_ids:
             out.token_ids_logprobs = logprobs_of_ids(logits, token_ids)
@@ -303,16 +307,20 @@ class Sampler:
             probs = torch.where(info.greedy_mask.unsqueeze(1), one_hot, probs)
         return probs
 
-    def _seeded_noise(self, noise: torch.Tensor, info: SamplingBatchInfo) -> None:
+    def _uniforms(self, info: SamplingBatchInfo, device: torch.device) -> torch.Tensor:
+        """[bs] float64 uniforms in [0, 1), one per row: a seeded row's from its own generator
+        state, the others' from the global torch RNG."""
+        uniforms = torch.rand(info.batch_size, dtype=torch.float64, device=device)
         # The only per-row Python loop: a seeded row needs its own generator state.
         for row, seed in enumerate(info.seeds):
             if seed is None or info.params[row].is_greedy:
                 continue
-            gen = self._generators.get(noise.device)
+            gen = self._generators.get(device)
             if gen is None:
-                gen = self._generators[noise.device] = torch.Generator(device=noise.device)
+                gen = self._generators[device] = torch.Generator(device=device)
             gen.manual_seed(mix_seed(seed, info.output_lens[row]))
-            noise[row].exponential_(generator=gen)
+            uniforms[row] = torch.rand(1, dtype=torch.float64, device=device, generator=gen)[0]
+        return uniforms
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,7 +353,7 @@ def filtered_probs(scores: torch.Tensor, info: SamplingBatchInfo, normalize: boo
             # A second softmax rather than dividing by the sum: bit-for-bit what HF computes.
             probs = torch.softmax(scores.masked_fill(remove, float("-inf")), dim=-1)
         else:
-            probs = probs.masked_fill(remove, 0.0)  # the exponential race needs no normalisation
+            probs = probs.masked_fill(remove, 0.0)  # inverse-CDF drawing needs no normalisation
     return probs
 
 
@@ -389,6 +397,19 @@ def _with_logprobs(
             for row, num in enumerate(top_logprobs_nums):
                 top[row] = list(zip(ids_list[row][:num], lp_list[row][:num], strict=True))
     return SampleOutput(next_ids, chosen, top)
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(dim=-1)`` (the first largest entry of each row), by the C kernel on CPU."""
+    picked = argmax_rows_kernel(scores)
+    return picked if picked is not None else scores.argmax(dim=-1)
+
+
+def draw_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row the first index whose cumulative probability exceeds ``uniforms[row]`` times the row's
+    total (``probs`` need not be normalised; an entry of probability 0 is never drawn)."""
+    picked = sample_from_probs(probs, uniforms)
+    return picked if picked is not None else inverse_cdf_torch(probs, uniforms)
 
 
 def logprobs_of_ids(logits: torch.Tensor, token_ids: list[list[int]]) -> list[list[tuple[int, float]]]:

@@ -47,6 +47,7 @@ from framework.scheduler.prefill_planner import PrefillPlan, PrefillPlanner
 from framework.scheduler.request import FinishReason, Req
 from framework.scheduler.retraction import fail_unrecomputable, make_room_for_decode
 from framework.scheduler.rollout import RolloutControl
+from framework.scheduler.sampling_reuse import SamplingInfoReuse
 from framework.scheduler.stats import BatchStats, RequestStats
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class Scheduler:
         self.cache_hit_tokens = 0
         self.prompt_tokens_seen = 0
         self._pending: list[RequestOutput] = []
+        self._sampling_reuse = SamplingInfoReuse()  # the next decode step of the same batch reuses its info
         self.holds: set[str] = set()
         """Why no batch may run now (``paused``, ``released``: see ``framework.scheduler.rollout``)."""
         self.hold_admission = False
@@ -310,12 +312,16 @@ class Scheduler:
         """Everything sampling needs, built on the scheduler thread. ``pending_one[i]``: request i
         has one token in flight not yet in ``output_ids`` (overlap mode, which has no penalties:
         only the output length matters then, for seeds and min_new_tokens)."""
-        pending = pending_one or [False] * len(reqs)
-        outputs = [r.output_ids + [0] if p else r.output_ids for r, p in zip(reqs, pending, strict=True)]
-        info = SamplingBatchInfo.build(
-            [r.sampling_params for r in reqs], [r.text_input_ids for r in reqs], outputs,
-            [r.eos_token_ids for r in reqs], self.runner.vocab_size, self.runner.device,
-        )
+        info = self._sampling_reuse.take(reqs) if pending_one is None else None
+        if info is None:
+            pending = pending_one or [False] * len(reqs)
+            outputs = [r.output_ids + [0] if p else r.output_ids for r, p in zip(reqs, pending, strict=True)]
+            info = SamplingBatchInfo.build(
+                [r.sampling_params for r in reqs], [r.text_input_ids for r in reqs], outputs,
+                [r.eos_token_ids for r in reqs], self.runner.vocab_size, self.runner.device,
+            )
+            if pending_one is None:
+                self._sampling_reuse.keep(reqs, info)
         info.token_bitmask = self.grammar.bitmask(reqs)
         top_nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
         token_ids = [r.token_ids_logprob or [] for r in reqs]
@@ -373,6 +379,7 @@ class Scheduler:
         in flight reads it), forget it, report its last delta and tell the hooks."""
         self.loop.release(req)
         self.requests.pop(req.rid, None)
+        self._sampling_reuse.clear()  # holds no finished request
         delta = delta_of(req)
         delta.error = error
         self._pending.append(delta)
