@@ -41,6 +41,8 @@ def add_serve_compare_command(bench_sub: Any, common: Callable[[argparse.Argumen
                    help="requests per level = max(8, this x concurrency)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (default 0: greedy; above 0 both servers sample)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to become healthy")
     p.add_argument("--logs", help="directory for the servers' logs (default: a temporary one)")
     p.set_defaults(func=cmd_serve_compare)
@@ -104,12 +106,12 @@ def sweep(system: str, args: argparse.Namespace, model: str, vocab_size: int, lo
             reqs = _level_requests(level, count, args, vocab_size)
             outputs, duration = asyncio.run(run_workload(
                 server.url, reqs, "openai", max_concurrency=level, warmup=min(level, 4), model=None,
-                progress=False))
+                progress=False, temperature=args.temperature))
             result = summarize(outputs, duration)
             rows.append({"kind": "serve", "tag": system, "backend": "openai", "system": system,
                          "max_concurrency": level, "num_prompts": count, "prompt_format": "ids",
                          "request_rate": "inf", "dtype": args.dtype, "input_len": args.input_len,
-                         "output_len": args.output_len, **result})
+                         "output_len": args.output_len, "temperature": args.temperature, **result})
             print(f"{system} c={level}: {result['output_throughput']} tok/s, median TPOT "
                   f"{result.get('median_tpot_ms')} ms, median TTFT {result.get('median_ttft_ms')} ms"
                   + (f", {result['failed']} failed: {result['first_error']}" if result["failed"] else ""))

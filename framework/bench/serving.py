@@ -46,6 +46,8 @@ def add_serve_command(bench_sub: Any, common_output: Callable[[argparse.Argument
     p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not measured) before the run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (default 0: greedy; e.g. 1.0 measures sampling too)")
     p.add_argument("--disable-tqdm", action="store_true")
     common_output(p)
     p.set_defaults(func=cmd_serve)
@@ -59,13 +61,14 @@ def _sse_payloads(line: str) -> Any | None:
     return None if data in ("", "[DONE]") else json.loads(data)
 
 
-async def send_generate(client: httpx.AsyncClient, req: BenchRequest, headers: dict[str, str]) -> RequestOutput:
+async def send_generate(client: httpx.AsyncClient, req: BenchRequest, headers: dict[str, str],
+                        temperature: float = 0.0) -> RequestOutput:
     """Stream one request from ``/generate``; every event carries all output ids so far."""
     import httpx
 
     out = RequestOutput(prompt_tokens=len(req.input_ids))
     body = {"input_ids": req.input_ids, "stream": True,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": req.output_len, "ignore_eos": True}}
+            "sampling_params": {"temperature": temperature, "max_new_tokens": req.output_len, "ignore_eos": True}}
     start = last = time.perf_counter()
     seen = 0
     try:
@@ -101,14 +104,14 @@ async def send_generate(client: httpx.AsyncClient, req: BenchRequest, headers: d
 
 
 async def send_completion(client: httpx.AsyncClient, req: BenchRequest, headers: dict[str, str], model: str,
-                          prompt: str | list[int]) -> RequestOutput:
+                          prompt: str | list[int], temperature: float = 0.0) -> RequestOutput:
     """Stream one request from ``/v1/completions``, usage from the final chunk (``include_usage``)."""
     import httpx
 
     out = RequestOutput(prompt_tokens=len(req.input_ids))
     # ignore_eos is an SGLang / vLLM extension: without it a random model may stop early and the
     # workload would not be the same from one server to the next.
-    body = {"model": model, "prompt": prompt, "max_tokens": req.output_len, "temperature": 0.0,
+    body = {"model": model, "prompt": prompt, "max_tokens": req.output_len, "temperature": temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
     chunks = 0
@@ -148,9 +151,10 @@ async def run_workload(base_url: str, requests: list[BenchRequest], backend: str
                        request_rate: float = math.inf, max_concurrency: int | None = None, warmup: int = 1,
                        model: str | None = None, prompts: list[str | list[int]] | None = None,
                        api_key: str | None = None, admin_key: str | None = None, seed: int = 0,
-                       progress: bool = True) -> tuple[list[RequestOutput], float]:
+                       progress: bool = True, temperature: float = 0.0) -> tuple[list[RequestOutput], float]:
     """Send the warm-up, then every request (Poisson arrivals, bounded concurrency); return the
-    outputs in request order and the wall time of the measured part."""
+    outputs in request order and the wall time of the measured part. ``temperature``: every
+    request's (0: greedy; above 0 the server samples from the whole vocabulary each step)."""
     import httpx
     from tqdm.asyncio import tqdm
 
@@ -165,8 +169,8 @@ async def run_workload(base_url: str, requests: list[BenchRequest], backend: str
 
         async def one(i: int) -> RequestOutput:
             if backend == "openai":
-                return await send_completion(client, requests[i], headers, model or "", prompts[i])
-            return await send_generate(client, requests[i], headers)
+                return await send_completion(client, requests[i], headers, model or "", prompts[i], temperature)
+            return await send_generate(client, requests[i], headers, temperature)
 
         if warmup > 0 and requests:  # first requests pay for lazy initialisation on the server: keep them out
             # Reversed workload prompts: the same shapes, but no shared prefix for the radix cache
@@ -177,8 +181,9 @@ async def run_workload(base_url: str, requests: list[BenchRequest], backend: str
                 if backend == "openai":
                     text = prompts[i % len(requests)]
                     prompt = text[::-1] if isinstance(text, str) else ids
-                    return await send_completion(client, BenchRequest(ids, r.output_len), headers, model or "", prompt)
-                return await send_generate(client, BenchRequest(ids, r.output_len), headers)
+                    return await send_completion(client, BenchRequest(ids, r.output_len), headers, model or "", prompt,
+                                                 temperature)
+                return await send_generate(client, BenchRequest(ids, r.output_len), headers, temperature)
 
             warm = await asyncio.gather(*(warm_one(i) for i in range(warmup)))
             failed = [w.error for w in warm if not w.success]
@@ -243,7 +248,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     outputs, duration = asyncio.run(run_workload(
         args.base_url, requests, args.backend, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, warmup=args.warmup, model=args.model, prompts=prompts,
-        api_key=args.api_key, admin_key=args.admin_key, seed=args.seed, progress=not args.disable_tqdm))
+        api_key=args.api_key, admin_key=args.admin_key, seed=args.seed, progress=not args.disable_tqdm,
+        temperature=args.temperature))
     result = summarize(outputs, duration)
     print(format_summary(result))
     rate = args.request_rate
@@ -252,6 +258,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "dataset": args.dataset, "num_prompts": len(requests), "prompt_format": args.prompt_format,
         # JSON has no infinity: "inf" keeps the line parseable by any reader
         "request_rate": "inf" if rate == math.inf else rate, "max_concurrency": args.max_concurrency,
-        **environment(), **result,
+        "temperature": args.temperature, **environment(), **result,
     })
     return 0 if result["completed"] > 0 else 1

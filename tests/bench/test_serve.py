@@ -61,6 +61,16 @@ def test_openai_backend_ids_poisson_rate(bench_server, tmp_path: Path) -> None:
     _check_timings(row)
 
 
+@pytest.mark.parametrize("backend", ["plugserve", "openai"])
+def test_sampled_workload(bench_server, tmp_path: Path, backend: str) -> None:
+    """``--temperature``: the requests sample (the server draws from the whole vocabulary each step)."""
+    row = _bench(tmp_path, bench_server.url, "--backend", backend, "--num-prompts", "4", "--input-len", "12",
+                 "--output-len", "6", "--max-concurrency", "4", "--temperature", "1.0", "--warmup", "1")
+    assert row["temperature"] == 1.0 and row["completed"] == 4 and row["failed"] == 0
+    assert row["total_output_tokens"] == 24
+    _check_timings(row)
+
+
 def test_openai_backend_text_prompts_shared_prefix(bench_server, tmp_path: Path) -> None:
     row = _bench(tmp_path, bench_server.url, "--backend", "openai", "--prompt-format", "text",
                  "--dataset", "generated-shared-prefix", "--gsp-groups", "2", "--gsp-prompts-per-group", "2",
