@@ -105,7 +105,9 @@ class DeviceConfig:
     transparent huge pages, where Linux offers them (THP ``madvise`` or ``always``): a decode step
     of a few rows streams every weight, and on 4 KiB pages the prefetchers stop at each page
     boundary. 2-5% faster steps at 1-4 rows on the 2-core Zen 4 host, none measurable from 16 rows
-    (docs/benchmarks.md). Values are unchanged; false: the copies stay on the heap's pages."""
+    (docs/benchmarks.md). The CPU KV cache's buffers are asked onto huge pages too (a decode step
+    reads each request's K/V rows wherever its slots are: 0.94-0.95x the decode attention's time on
+    a Sapphire Rapids host). Values are unchanged; false: both stay on the heap's pages."""
     cpu_keep_freed_memory: Optional[bool] = None
     """CPU, glibc: the C heap keeps the blocks a step frees for the next step (``mallopt``: no
     per-block mmap for large blocks, no trimming) instead of unmapping them, which made the kernel

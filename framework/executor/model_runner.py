@@ -121,6 +121,7 @@ class ModelRunner:
                 head_dim=head_dim,
                 dtype=kv_dtype,
                 device=self.device,
+                huge_pages=settings.device.cpu_huge_pages,
             )
             self.allocator = PagedKVAllocator(self.plan.num_pages, self.plan.page_size, self.device)
 

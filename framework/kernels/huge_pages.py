@@ -1,4 +1,5 @@
-"""CPU memory on 2 MiB pages for what a decode step streams front to back (the small-GEMM weights).
+"""CPU memory on 2 MiB pages for what a decode step streams (the small-GEMM weights front to back;
+the KV cache's rows wherever the requests' slots are).
 
 Why: a decode step of a few rows reads every weight once and is bound by how fast the cores stream
 memory. On 4 KiB pages the hardware prefetchers stop at each page boundary and every page takes a
@@ -80,6 +81,21 @@ def empty_on_huge_pages(nbytes: int) -> torch.Tensor:
     _madvise()(address + offset, length, _MADV_HUGEPAGE)  # a refusal leaves small pages: no harm
     # The tensor holds the mapping (torch keeps its buffer export until the storage dies).
     return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask for huge pages on the whole 2 MiB pages inside ``t``'s memory (a CPU tensor, before its
+    pages are first touched: pages already touched stay small until ``khugepaged``). Unlike
+    :func:`empty_on_huge_pages` the tensor stays an ordinary allocation (its storage can be resized
+    and freed, as the memory saver does with the KV cache). Returns whether the advice was given."""
+    if t.device.type != "cpu" or not huge_pages_available():
+        return False
+    start = t.data_ptr()
+    end = start + t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    if last <= first:
+        return False
+    return _madvise()(first, last - first, _MADV_HUGEPAGE) == 0
 
 
 def huge_page_bytes(t: torch.Tensor) -> int | None:

@@ -23,6 +23,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        huge_pages: bool = False,
     ) -> None:
         self.num_layers = num_layers
         self.num_pages = num_pages
@@ -32,14 +33,26 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         num_slots = (num_pages + 1) * page_size
-        self.k_buffers = [
-            torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [self._zeros(shape, huge_pages) for _ in range(num_layers)]
+        self.v_buffers = [self._zeros(shape, huge_pages) for _ in range(num_layers)]
+
+    def _zeros(self, shape: tuple[int, int, int], huge_pages: bool) -> torch.Tensor:
+        """A zero buffer; on CPU with ``huge_pages``, asked onto 2 MiB pages before it is zeroed.
+
+        Why: a decode step reads each request's K and V rows wherever its slots are, a few KB
+        each, so on 4 KiB pages nearly every row costs a TLB miss; with the buffers on 2 MiB pages
+        the decode attention kernel took 0.94-0.95x the time (64 requests x 160-300 tokens, 12
+        layers of fp32 KV, alternating in one process, Sapphire Rapids host). The buffer stays an
+        ordinary allocation (the memory saver resizes it to 0 and back; after a resume it is on
+        whatever pages it gets)."""
+        if not huge_pages or self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        from framework.kernels.huge_pages import advise_huge_pages
+
+        buffer = torch.empty(shape, dtype=self.dtype)
+        advise_huge_pages(buffer)
+        return buffer.zero_()
 
     @property
     def num_slots(self) -> int:

@@ -121,3 +121,48 @@ def test_a_partial_repack_gathers_every_copy_again() -> None:
     x = torch.randn(4, 768)
     with torch.no_grad():
         assert torch.equal(block(x), reference(x))
+
+
+_KV_ON_HUGE_PAGES = """
+import torch
+from framework.kernels.huge_pages import huge_page_bytes
+from framework.memory.kv_cache import KVCache
+geometry = dict(num_layers=2, num_pages=40959, page_size=1, num_kv_heads=4, head_dim=64, dtype=torch.float32,
+                device="cpu")  # 40 MiB a buffer: past glibc's largest mmap threshold, so a fresh mapping
+print(*(huge_page_bytes(b) for b in KVCache(**geometry, huge_pages=True).k_buffers))
+"""
+
+
+@needs_thp
+def test_kv_cache_buffers_get_huge_pages() -> None:
+    """``KVCache(huge_pages=True)`` asks its CPU buffers onto 2 MiB pages before zeroing them (a
+    child process: a fresh heap, whatever the tests before left in this one)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _KV_ON_HUGE_PAGES], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    # Nearly all of each 40 MiB buffer (a busy host may be short of a few free huge pages).
+    assert all(int(n) >= 16 * HUGE_PAGE for n in proc.stdout.split()), proc.stdout
+
+
+def test_kv_cache_on_huge_pages_stores_releases_and_resumes() -> None:
+    """The buffers stay ordinary storages: zero at first, written by ``store``, and the cpu memory
+    saver can still release them (resize to 0) and bring them back zeroed."""
+    from framework.memory.kv_cache import KVCache
+    from plugins.memory_savers.cpu import CpuMemorySaver
+
+    cache = KVCache(num_layers=2, num_pages=4096, page_size=1, num_kv_heads=4, head_dim=64, dtype=torch.float32,
+                    device="cpu", huge_pages=True)
+    buffers = cache.k_buffers + cache.v_buffers
+    assert all(torch.count_nonzero(b) == 0 for b in buffers)
+    loc = torch.tensor([5, 4000])
+    k = torch.randn(2, 4, 64)
+    cache.store(1, loc, k, k + 1)
+    assert torch.equal(cache.get_kv(1)[0][loc], k) and torch.equal(cache.get_kv(1)[1][loc], k + 1)
+    saver = CpuMemorySaver()
+    saver.track("kv_cache", buffers, keep_contents=False)
+    saver.pause("kv_cache")
+    assert all(b.untyped_storage().nbytes() == 0 for b in buffers)
+    saver.resume("kv_cache")
+    assert all(b.untyped_storage().nbytes() == 4097 * 4 * 64 * 4 and torch.count_nonzero(b) == 0 for b in buffers)
