@@ -255,7 +255,7 @@ INLINE void finish_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int
 /* Input rows m0..m0+mr against one fp32 panel. mr is a constant where this is inlined (see tile),
  * so the accumulators stay in registers. */
 INLINE void tile_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr, const int prefetch,
-                     const char *ahead, const int blocked) {
+                     const char *ahead, const int64_t every, const int64_t share, const int blocked) {
     const float *wp = (const float *)a->w + panel * a->Kp * PANEL_COLS;
     const float *x = a->x + m0 * a->Kp; /* this row block: x[m, k] at k * mr + m if blocked */
     VEC acc[MR_MAX][PANEL_VECS];
@@ -264,7 +264,7 @@ INLINE void tile_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr
     for (int64_t k = 0; k < a->Kp; k++) {
         const float *row = wp + k * PANEL_COLS;
         if (prefetch) PREFETCH_PANEL(row);
-        if (ahead) _mm_prefetch(ahead + k * 64, _MM_HINT_T1);
+        if (ahead && k % every == 0 && k / every < share) _mm_prefetch(ahead + k / every * 64, _MM_HINT_T1);
         VEC w[PANEL_VECS];
         for (int v = 0; v < PANEL_VECS; v++) {
             w[v] = VLOAD(row + v * VLEN);
@@ -280,7 +280,7 @@ INLINE void tile_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr
 
 /* The same for a bf16 panel, a pair of k per step. */
 INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int mr, const int prefetch,
-                      const char *ahead, const int blocked) {
+                      const char *ahead, const int64_t every, const int64_t share, const int blocked) {
     const uint16_t *wp = (const uint16_t *)a->w + panel * a->Kp * PANEL_COLS;
     VEC acc[MR_MAX][PANEL_VECS];
     for (int m = 0; m < mr; m++)
@@ -288,7 +288,8 @@ INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int m
     for (int64_t k = 0; k < a->Kp; k += 2) {
         const uint16_t *row = wp + k * PANEL_COLS; /* PANEL_COLS pairs */
         if (prefetch) PREFETCH_PANEL(row);
-        if (ahead) _mm_prefetch(ahead + k / 2 * 64, _MM_HINT_T1);
+        if (ahead && k / 2 % every == 0 && k / 2 / every < share)
+            _mm_prefetch(ahead + k / 2 / every * 64, _MM_HINT_T1);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
         __m512bh w[PANEL_VECS];
         for (int v = 0; v < PANEL_VECS; v++) {
@@ -317,8 +318,8 @@ INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int m
 
 #define TILE_CASE(n, ahead, blocked) \
     case n: \
-        if (a->bf16) tile_bf16(a, panel, m0, n, prefetch, ahead, blocked); \
-        else tile_f32(a, panel, m0, n, prefetch, ahead, blocked); \
+        if (a->bf16) tile_bf16(a, panel, m0, n, prefetch, ahead, every, share, blocked); \
+        else tile_f32(a, panel, m0, n, prefetch, ahead, every, share, blocked); \
         break;
 #if MR_MAX > 6
 #define TILE_CASES_7_12(ahead, blocked) \
@@ -337,7 +338,8 @@ INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int m
  * (PREFETCH_BYTES); ahead: where the next panel's lines to fetch while it runs begin, or NULL. A
  * tile with `ahead`, and one reading a blocked input, is an instance of its own (only calls of two
  * or more blocks use them): a check in the k loop of every tile cost 3% at 64 rows. */
-static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int prefetch, const char *ahead) {
+static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int prefetch, const char *ahead,
+                 int64_t every, int64_t share) {
     if (ahead && mr >= 6) {
         switch (mr) {
             TILE_CASE(6, ahead, 1) TILE_CASES_7_12(ahead, 1)
@@ -359,9 +361,12 @@ static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int pref
 }
 #else
 /* Without AVX2: one output at a time. */
-static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int prefetch, const char *ahead) {
+static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int prefetch, const char *ahead,
+                 int64_t every, int64_t share) {
     (void)prefetch;
     (void)ahead;
+    (void)every;
+    (void)share;
     for (int m = 0; m < mr; m++) {
         float buf[PANEL_COLS];
         const float *x = a->x + (m0 + m) * a->Kp;
@@ -387,16 +392,24 @@ static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int pref
  * panel PREFETCH_BYTES ahead. With several, the first block over a panel is the only one that
  * reads it from memory, in one block's time, while the later blocks find it in L2 and the memory
  * idles: at 16 rows (two blocks of 8) a fp32 panel came in ~3.4 us, ~29 GB/s a core, more than two
- * cores get. So with two blocks, both also fetch the next panel into L2, one line per iteration of
- * their k loops (a block's loop has as many iterations as the panel has 128-byte rows, so the two
- * cover it), spreading the stream over the whole time the panel computes. llama-120m's 49 decode
- * GEMMs (weights from memory, alternating with the previous build in one process, Zen 4 host):
- * fp32 13 rows 0.87x, 16 rows 0.925x, 20-24 rows 1.0x; bf16 16 rows 0.94x. With three or more
- * blocks (25+ rows) it cost 3-4% (spread over all blocks too), so they keep the old stream. */
+ * cores get. So every block also fetches its share of the next panel into L2, a line every few
+ * iterations of its k loop, spreading the stream over the whole time the panel computes, and the
+ * next panel's first block finds it there. llama-120m's 49 decode GEMMs (weights from memory,
+ * alternating with the previous build in one process), two blocks, Zen 4 host: fp32 13 rows 0.87x,
+ * 16 rows 0.925x, 20-24 rows 1.0x; bf16 16 rows 0.94x. Three or more blocks (25+ rows) then kept the
+ * old stream (an earlier spread measured 3-4% slower there on Zen 4); on the Sapphire Rapids host
+ * the old stream left compute and memory in turn, a 12-layer fp32 chain at 64 rows taking 51.6 ms
+ * where its arithmetic alone (weights in cache) took 38.8, and spreading the fetch over all blocks
+ * measured fp32 0.83-0.85x at 64 rows, 0.79x at 48, 0.86-0.89x at 32; bf16 0.93x at 48, 0.90x at 32;
+ * in a whole 64-row fp32 decode step (attention included) 0.93x. */
 static int panel_rows(const gemm_args *a, int64_t p, int64_t next, int prefetched) {
     const int64_t blocks = (a->M + MR_MAX - 1) / MR_MAX, mr = block_rows(a->M, MR_MAX);
     const int64_t panel_bytes = a->Kp * PANEL_COLS * (a->bf16 ? 2 : 4);
-    const char *next_panel = next < 0 || blocks != 2 || MR_MAX <= 6 ? NULL : (const char *)a->w + next * panel_bytes;
+    const char *next_panel = next < 0 || blocks < 2 || MR_MAX <= 6 ? NULL : (const char *)a->w + next * panel_bytes;
+    /* Block b fetches lines [b * share, (b + 1) * share) of the next panel, one line every `every`
+     * iterations of its k loop (iters of them): the panel's lines spread evenly over its blocks. */
+    const int64_t iters = a->bf16 ? a->Kp / 2 : a->Kp, share = (panel_bytes / 64 + blocks - 1) / blocks;
+    const int64_t every = iters / share > 1 ? iters / share : 1;
 #ifdef SMALL_GEMM_VECTOR
     /* One block: the tile prefetches its own panel PREFETCH_BYTES ahead, which runs on into panel
      * p + 1; when this thread goes on elsewhere (its next chunk), that chunk's first PREFETCH_BYTES
@@ -410,7 +423,7 @@ static int panel_rows(const gemm_args *a, int64_t p, int64_t next, int prefetche
     int64_t b = 0;
     for (int64_t m0 = 0; m0 < a->M; m0 += mr, b++)
         tile(a, p, m0, (int)(a->M - m0 < mr ? a->M - m0 : mr), m0 == 0 && !prefetched,
-             next_panel ? next_panel + b * (panel_bytes / 2) : NULL);
+             next_panel ? next_panel + b * share * 64 : NULL, every, share);
     return next_panel != NULL;
 }
 
