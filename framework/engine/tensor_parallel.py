@@ -179,6 +179,7 @@ def follower_main(config_path: str, rank: int, host: str, port: int, parent_pid:
         from framework.config.loader import resolve_config, to_settings
         from framework.disaggregation.factory import make_pd_side
         from framework.executor.model_runner import ModelRunner
+        from framework.memory.gc_freeze import freeze_startup_objects
         from framework.memory.heap import claim_process
         from framework.scheduler.replicated import follow
         from framework.scheduler.scheduler import Scheduler
@@ -188,7 +189,9 @@ def follower_main(config_path: str, rank: int, host: str, port: int, parent_pid:
         comm = join_group(settings, rank, host, port)
         runner = ModelRunner(settings, progress=False)
         # The tokenizer too: stop strings and grammars decide when requests finish, on every rank.
-        follow(Scheduler(settings, runner, load_tokenizer(settings), pd_side=make_pd_side), comm)
+        scheduler = Scheduler(settings, runner, load_tokenizer(settings), pd_side=make_pd_side)
+        freeze_startup_objects(f"tensor-parallel rank {rank}")  # a rank's full collection stalls every rank
+        follow(scheduler, comm)
     except Exception:
         logger.error("tensor-parallel rank %d stopped:\n%s", rank, traceback.format_exc())
         code = 1

@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config.loader import public_config, to_settings
 from framework.config.schema import PlugserveConfig
+from framework.memory.gc_freeze import freeze_startup_objects
 from framework.server import scheduler_process
 
 if TYPE_CHECKING:
@@ -151,6 +152,7 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
         manager.start()
         app = _make_app(cfg, settings, tokenizer, manager, metrics, info, load_generation_config(model.path))
         server = _http_server(app, settings, manager)
+        freeze_startup_objects("HTTP server")
         watch = loop.create_task(_watch(server, manager, procs, stop, exited))
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%s (scheduler pid %s)", model.path, host, port,

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from typing import Any
 
@@ -106,6 +107,7 @@ async def server_info(request: Request) -> Response:
     body: dict[str, Any] = {
         "version": framework.__version__,
         "pid": os.getpid(),
+        "http_gc_frozen_objects": gc.get_freeze_count(),  # framework.memory.gc_freeze
         "served_model_name": server.model_name,
         "active_requests": server.manager.num_active(),
         "config": server.public_config(),

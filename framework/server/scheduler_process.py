@@ -12,6 +12,7 @@ were in flight (running or being prefilled) while the waiting ones stay queued.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -176,6 +177,7 @@ class SchedulerLoop:
                 "num_requests": len(self.scheduler.requests),
                 "scheduler_pid": os.getpid(),
                 "tp_ranks": self._tp_ranks(),
+                "gc_frozen_objects": gc.get_freeze_count(),
             }
         raise ValueError(f"unknown control call {kind!r}; known: {', '.join(ipc.CONTROL_KINDS)}")
 
@@ -271,6 +273,9 @@ def _serve(config_path: str, recv: zmq.Socket, send: zmq.Socket, parent_pid: int
         logger.error("scheduler start failed:\n%s", traceback.format_exc())
         send.send(ipc.encode(ipc.StartupFailed(message=f"{type(exc).__name__}: {exc}")))
         return 1
+    from framework.memory.gc_freeze import freeze_startup_objects
+
+    info["gc_frozen_objects"] = freeze_startup_objects("scheduler")
     send.send(ipc.encode(ipc.Ready(info={**info, "dp_rank": dp_rank})))
     try:
         SchedulerLoop(scheduler, runner, eos, recv, send, parent_pid, dp_rank).run()

@@ -131,6 +131,15 @@ def test_the_scheduler_process_keeps_freed_blocks(http: httpx.Client) -> None:
     assert http.get("/server_info").json()["model_info"]["cpu_keep_freed_memory"] is True
 
 
+def test_both_server_processes_froze_their_startup_objects(http: httpx.Client) -> None:
+    """The HTTP process and the scheduler moved what they loaded at startup (torch, transformers,
+    the model: hundreds of thousands of objects) out of the garbage collector's full collections
+    (framework/memory/gc_freeze.py); an unfrozen process reports 0."""
+    info = http.get("/server_info").json()
+    assert info["http_gc_frozen_objects"] > 10_000
+    assert info["gc_frozen_objects"] > 10_000
+
+
 def test_the_model_path_is_accepted_as_the_model_name(oai, tiny_model: Path) -> None:
     by_path = oai.completions.create(model=str(tiny_model), prompt=TEXT, max_tokens=4, **GREEDY)
     by_name = oai.completions.create(model=MODEL, prompt=TEXT, max_tokens=4, **GREEDY)
