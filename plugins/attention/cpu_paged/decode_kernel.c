@@ -26,6 +26,9 @@
  * widened to float32 on load (a 16-bit shift, exact), and all arithmetic stays float32.
  */
 #include <math.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -108,6 +111,79 @@ static inline void prefetch_tokens(const void *base, const int32_t *slots, int64
         prefetch_row(kv_row(base, (int64_t)slots[t] * row_elems, bf16), row_bytes);
 }
 
+#ifdef __AVX512F__
+/* The passes with AVX-512 intrinsics, for a fp32 cache and head_dim a multiple of 16 up to 128
+ * (nv = head_dim / 16 vectors). Within a block of BLOCK_TOKENS tokens the loops go head by head, so
+ * a head's query (pass 1) or its output accumulators (pass 2) stay in registers across the block
+ * instead of being loaded, and in pass 2 stored, again for every token as the plain loops below
+ * do. Pass 2 does the same FMAs in the same order as those loops (bit for bit the same output);
+ * pass 1 sums each dot product in another order (float rounding). Sapphire Rapids host, against
+ * the plain loops (which gcc vectorises 256 bits wide there), the kernel alone over 12 layers: K/V
+ * in L2 1.48x as fast, from memory 64 requests x 170 tokens 0.88-0.91x the time, 16 x 300 0.84x,
+ * 4 x 600 0.68x, 1 x 600 0.84x; inside llama-120m's fused decode step (alternating in one process)
+ * the attention took 0.89x at 4 x 600 and 0.94x at 16 x 1000 (steps 0.96x and 0.95x) but the same
+ * at 64 x 128-208 (36.0 vs 36.5 ms: there it waits on memory either way). A bf16 cache measured
+ * no faster this way (1.02x), so it keeps the plain loops. */
+#define BLOCK_TOKENS 8
+
+static inline __attribute__((always_inline)) void block_scores(const job_t *j, const float *qb, const int32_t *slots,
+                                                               int64_t t0, int64_t t1, int64_t len, float *scores,
+                                                               const int nv) {
+    const int64_t d = j->head_dim, row_elems = j->kv_heads * d, group = j->num_heads / j->kv_heads;
+    for (int64_t h = 0, qi = 0; h < j->kv_heads; ++h)
+        for (int64_t g = 0; g < group; ++g, ++qi) {
+            __m512 qv[8];
+            for (int e = 0; e < nv; ++e) qv[e] = _mm512_loadu_ps(qb + qi * d + 16 * e);
+            for (int64_t t = t0; t < t1; ++t) {
+                const float *kr = (const float *)j->k + (int64_t)slots[t] * row_elems + h * d;
+                __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+                for (int e = 1; e < nv; ++e) acc = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(kr + 16 * e), acc);
+                scores[qi * len + t] = _mm512_reduce_add_ps(acc) * j->scale;
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void block_values(const job_t *j, float *ob, const int32_t *slots,
+                                                               int64_t t0, int64_t t1, int64_t len,
+                                                               const float *scores, const int nv) {
+    const int64_t d = j->head_dim, row_elems = j->kv_heads * d, group = j->num_heads / j->kv_heads;
+    for (int64_t h = 0, qi = 0; h < j->kv_heads; ++h)
+        for (int64_t g = 0; g < group; ++g, ++qi) {
+            __m512 acc[8];
+            for (int e = 0; e < nv; ++e) acc[e] = _mm512_loadu_ps(ob + qi * d + 16 * e);
+            for (int64_t t = t0; t < t1; ++t) {
+                const float *vr = (const float *)j->v + (int64_t)slots[t] * row_elems + h * d;
+                const __m512 p = _mm512_set1_ps(scores[qi * len + t]);
+                for (int e = 0; e < nv; ++e) acc[e] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * e), acc[e]);
+            }
+            for (int e = 0; e < nv; ++e) _mm512_storeu_ps(ob + qi * d + 16 * e, acc[e]);
+        }
+}
+
+/* Pass 1 (values == 0) or 2 over a unit's tokens, a block at a time, prefetching as the plain loops
+ * do; nv a constant for the common head dims so the vector loops unroll. */
+static inline __attribute__((always_inline)) void blocked_pass(const job_t *j, const float *qb, float *ob,
+                                                               const int32_t *slots, int64_t len, float *scores,
+                                                               int values) {
+    const int64_t row_elems = j->kv_heads * j->head_dim, row_bytes = row_elems * 4;
+    const int nv = (int)(j->head_dim / 16);
+    const void *base = values ? j->v : j->k;
+    for (int64_t t = 0; t < len; t += BLOCK_TOKENS) {
+        const int64_t end = t + BLOCK_TOKENS < len ? t + BLOCK_TOKENS : len;
+        prefetch_tokens(base, slots, t + PREFETCH_TOKENS, end + PREFETCH_TOKENS, len, row_elems, row_bytes, 0);
+        if (values) {
+            if (nv == 4) block_values(j, ob, slots, t, end, len, scores, 4);
+            else if (nv == 8) block_values(j, ob, slots, t, end, len, scores, 8);
+            else block_values(j, ob, slots, t, end, len, scores, nv);
+        } else {
+            if (nv == 4) block_scores(j, qb, slots, t, end, len, scores, 4);
+            else if (nv == 8) block_scores(j, qb, slots, t, end, len, scores, 8);
+            else block_scores(j, qb, slots, t, end, len, scores, nv);
+        }
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16) {
     const int64_t d = j->head_dim, nq = j->num_heads, group = nq / j->kv_heads;
     const int64_t row_elems = j->kv_heads * d, row_bytes = row_elems * (bf16 ? 2 : 4);
@@ -126,7 +202,13 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
         if (len <= 0) continue;
         /* pass 1: scores of every head against each token's whole K row */
         prefetch_tokens(j->k, slots, 1, PREFETCH_TOKENS, len, row_elems, row_bytes, bf16);
+#ifdef __AVX512F__
+        const int blocked = !bf16 && d % 16 == 0 && d <= 128;
+        if (blocked) blocked_pass(j, qb, ob, slots, len, scores, 0);
+        for (int64_t t = 0; t < (blocked ? 0 : len); ++t) {
+#else
         for (int64_t t = 0; t < len; ++t) {
+#endif
             const void *kr = kv_row(j->k, (int64_t)slots[t] * row_elems, bf16);
             prefetch_tokens(j->k, slots, t + PREFETCH_TOKENS, t + PREFETCH_TOKENS + 1, len, row_elems, row_bytes, bf16);
             for (int64_t qi = 0; qi < nq; ++qi)
@@ -151,7 +233,12 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
         }
         /* pass 2: weighted sum of the values, each V row read whole */
         prefetch_tokens(j->v, slots, 1, PREFETCH_TOKENS, len, row_elems, row_bytes, bf16);
+#ifdef __AVX512F__
+        if (blocked) blocked_pass(j, qb, ob, slots, len, scores, 1);
+        for (int64_t t = 0; t < (blocked ? 0 : len); ++t) {
+#else
         for (int64_t t = 0; t < len; ++t) {
+#endif
             const void *vr = kv_row(j->v, (int64_t)slots[t] * row_elems, bf16);
             prefetch_tokens(j->v, slots, t + PREFETCH_TOKENS, t + PREFETCH_TOKENS + 1, len, row_elems, row_bytes, bf16);
             for (int64_t qi = 0; qi < nq; ++qi)
