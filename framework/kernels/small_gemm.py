@@ -69,21 +69,40 @@ def _row_limit(c_function: str, dtype: torch.dtype) -> int:
     return 0 if lib is None else min(MAX_ROWS, int(getattr(lib, c_function)(int(dtype == torch.bfloat16))))
 
 
+#: bf16 row limits where the CPU has AMX. oneDNN then multiplies bf16 on AMX tiles, and its GEMM
+#: overtakes this kernel's AVX512-BF16 tiles after a few rows. Sapphire Rapids host, llama-120m's 48
+#: decode GEMMs (12 layers), this kernel / oneDNN: 1 row 0.74, 4 rows 0.85, 8 rows 1.11, 16 rows
+#: 1.52, 32 rows 2.41, 64 rows 3.86. Whole bf16 decode steps, fused step / module path on oneDNN
+#: (alternating): 1 row 0.58, 8 rows 0.79, 12 rows 0.88, 14 rows 0.99, 16 rows 1.02, 24 rows 1.21,
+#: 32 rows 1.38. The builds' own limits (24 and 48 in bf16) were measured on a Zen 4 without AMX.
+AMX_BF16_MAX_ROWS, AMX_BF16_FUSED_MAX_ROWS = 4, 14
+
+
+@lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Whether torch (oneDNN) can use AMX tiles on this CPU (its own probe, which also asks the OS)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
 @lru_cache(maxsize=2)
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
-    of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16); 0 when the kernel is
-    unavailable."""
-    return _row_limit("small_gemm_max_rows", dtype)
+    of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16, 4 in bf16 with AMX:
+    :data:`AMX_BF16_MAX_ROWS`); 0 when the kernel is unavailable."""
+    limit = _row_limit("small_gemm_max_rows", dtype)
+    return min(limit, AMX_BF16_MAX_ROWS) if dtype == torch.bfloat16 and amx_available() else limit
 
 
 @lru_cache(maxsize=2)
 def fused_max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows a fused decode step (:mod:`framework.models.fused_decode`) runs through the
-    kernel here (``small_gemm_fused_max_rows``: with AVX-512 64 in fp32 and 48 in bf16, more than
-    :func:`max_rows` because the fused step also saves the module path's per-layer calls; with AVX2
-    the same as :func:`max_rows`); 0 when the kernel is unavailable."""
-    return _row_limit("small_gemm_fused_max_rows", dtype)
+    kernel here (``small_gemm_fused_max_rows``: with AVX-512 64 in fp32 and 48 in bf16, 14 in bf16
+    with AMX (:data:`AMX_BF16_FUSED_MAX_ROWS`), more than :func:`max_rows` because the fused step
+    also saves the module path's per-layer calls; with AVX2 the same as :func:`max_rows`); 0 when
+    the kernel is unavailable."""
+    limit = _row_limit("small_gemm_fused_max_rows", dtype)
+    return min(limit, AMX_BF16_FUSED_MAX_ROWS) if dtype == torch.bfloat16 and amx_available() else limit
 
 
 #: Output columns (weight rows) per panel of the kernel's weight layout (``small_gemm.c``), and

@@ -83,8 +83,12 @@ def fused_and_modules(eng, batch) -> tuple[torch.Tensor, torch.Tensor, int]:
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied_mha"])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_fused_step_equals_the_modules_bitwise(engine_factory, models, name, dtype, rows):
-    """GQA and MHA, qkv biases (Qwen2), a tied lm_head; one and several rows of different lengths."""
+def test_fused_step_equals_the_modules_bitwise(engine_factory, models, name, dtype, rows, monkeypatch):
+    """GQA and MHA, qkv biases (Qwen2), a tied lm_head; one and several rows of different lengths.
+    The modules run the kernel at these rows too (with AMX bf16 linears of more than
+    ``AMX_BF16_MAX_ROWS`` rows would go to oneDNN, which sums in another order)."""
+    limit = small_gemm.max_rows(dtype)
+    monkeypatch.setattr(small_gemm, "max_rows", lambda dtype=torch.float32: max(rows, limit))
     eng = engine_factory(models(name), f"model.dtype={str(dtype).removeprefix('torch.')}")
     assert eng.runner.fused_decode and eng.runner.describe()["cpu_fused_decode"] is True
     batch, rids = decode_batch(eng, rows)
@@ -100,9 +104,13 @@ def assert_within_rounding(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype)
     if dtype == torch.float32:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     else:
-        # Two bf16 GEMMs round their outputs differently: allow four bf16 steps at the logits' scale.
+        # Two bf16 GEMMs that sum in different orders round some outputs a bf16 step apart, and each
+        # layer's rounding feeds the next: allow two bf16 steps at the logits' scale on average and
+        # sixteen at most (on the AMX host, 14 rows, oneDNN vs the kernel measured 0.70 at most and
+        # 0.05 on average against a step of 0.0625; a wrong result differs by whole logits).
         step = 2.0 ** (torch.floor(torch.log2(b.abs().max())).item() - 7)
-        assert (a - b).abs().max().item() <= 4 * step
+        diff = (a - b).abs()
+        assert diff.mean().item() <= 2 * step and diff.max().item() <= 16 * step
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])

@@ -194,9 +194,26 @@ def test_swiglu_steps_aside_where_it_does_not_apply() -> None:
 
 def test_row_limit_per_dtype() -> None:
     """The build's row limits: 8 on AVX2 (or plain C), and with AVX-512 32 in fp32 and 24 in bf16
-    (oneDNN's bf16 GEMM out-computes the kernel sooner once the weight stream no longer bounds it)."""
+    (oneDNN's bf16 GEMM out-computes the kernel sooner once the weight stream no longer bounds it),
+    4 in bf16 where oneDNN has AMX."""
     fp32, bf16 = small_gemm.max_rows(torch.float32), small_gemm.max_rows(torch.bfloat16)
-    assert (fp32, bf16) == ((32, 24) if "avx512f" in _cpu_flags() else (8, 8))
+    avx512_bf16 = small_gemm.AMX_BF16_MAX_ROWS if small_gemm.amx_available() else 24
+    assert (fp32, bf16) == ((32, avx512_bf16) if "avx512f" in _cpu_flags() else (8, 8))
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_amx_caps_only_the_bf16_limits(monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
+    """With AMX, bf16 calls of more than a few rows (fused steps of more than 14) go to oneDNN;
+    fp32 keeps the build's limits, and so does bf16 without AMX."""
+    monkeypatch.setattr(small_gemm, "amx_available", lambda: amx)
+    build = {(fn, dt): small_gemm._row_limit(fn, dt) for fn in ("small_gemm_max_rows", "small_gemm_fused_max_rows")
+             for dt in (torch.float32, torch.bfloat16)}
+    bf16 = torch.bfloat16
+    for limit, fn, cap in ((small_gemm.max_rows, "small_gemm_max_rows", small_gemm.AMX_BF16_MAX_ROWS),
+                           (small_gemm.fused_max_rows, "small_gemm_fused_max_rows",
+                            small_gemm.AMX_BF16_FUSED_MAX_ROWS)):
+        assert limit.__wrapped__(torch.float32) == build[(fn, torch.float32)]  # bypass the per-dtype cache
+        assert limit.__wrapped__(bf16) == (min(build[(fn, bf16)], cap) if amx else build[(fn, bf16)])
 
 
 def _cpu_flags() -> set[str]:
