@@ -89,10 +89,10 @@ class DeviceConfig:
     models it can pack when torch has it)."""
     cpu_small_gemm: CpuSmallGemm = CpuSmallGemm.auto
     """Linear calls of a few rows (decode steps: up to ``small_gemm.max_rows``, 8 on AVX2 builds, 32
-    fp32 / 24 bf16 on AVX-512 ones, 4 bf16 where oneDNN has AMX) with onednn linears, fp32 or bf16: kernel (plugserve's C kernel,
-    on a second copy of the linear weights in its own panel layout; 1.1-1.5x faster there than
-    oneDNN on the 2-core test hosts), onednn (the packed weights alone), or auto (kernel when the
-    copy takes at most a quarter of the memory available at load time)."""
+    fp32 / 24 bf16 on AVX-512 ones, 4 bf16 where oneDNN has AMX) with onednn linears, fp32 or bf16:
+    kernel (plugserve's C kernel, on a second copy of the linear weights in its own panel layout;
+    1.1-1.5x faster there than oneDNN on the 2-core test hosts), onednn (the packed weights alone),
+    or auto (kernel when the copy takes at most a quarter of the memory available at load time)."""
     cpu_fused_decode: bool = True
     """With the small-GEMM kernel on (``cpu_small_gemm``), decode steps of up to
     ``small_gemm.fused_max_rows`` rows (64 fp32 / 48 bf16 on AVX-512 builds, 14 bf16 with AMX, 8 on AVX2 ones) run all
