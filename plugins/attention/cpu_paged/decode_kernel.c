@@ -126,42 +126,36 @@ static inline void prefetch_tokens(const void *base, const int32_t *slots, int64
  * no faster this way (1.02x), so it keeps the plain loops. */
 #define BLOCK_TOKENS 8
 
-static inline __attribute__((always_inline)) void block_scores(const job_t *j, const float *qb, const int32_t *slots,
-                                                               int64_t t0, int64_t t1, int64_t len, float *scores,
-                                                               const int nv) {
+/* Tokens [t0, t1) for every query head, head by head. Pass 1 (values == 0): scores[qi * len + t] =
+ * scale * q_qi . k_t, q_qi in registers. Pass 2: ob[qi] += sum_t p[qi, t] v_t, summed in registers
+ * over the block and stored once. */
+static inline __attribute__((always_inline)) void block_heads(const job_t *j, const float *qb, float *ob,
+                                                              const int32_t *slots, int64_t t0, int64_t t1,
+                                                              int64_t len, float *scores, const int nv, int values) {
     const int64_t d = j->head_dim, row_elems = j->kv_heads * d, group = j->num_heads / j->kv_heads;
+    const float *cache = (const float *)(values ? j->v : j->k);
     for (int64_t h = 0, qi = 0; h < j->kv_heads; ++h)
         for (int64_t g = 0; g < group; ++g, ++qi) {
-            __m512 qv[8];
-            for (int e = 0; e < nv; ++e) qv[e] = _mm512_loadu_ps(qb + qi * d + 16 * e);
+            __m512 reg[8]; /* the query (pass 1) or the output accumulators (pass 2) */
+            for (int e = 0; e < nv; ++e) reg[e] = _mm512_loadu_ps((values ? ob : qb) + qi * d + 16 * e);
             for (int64_t t = t0; t < t1; ++t) {
-                const float *kr = (const float *)j->k + (int64_t)slots[t] * row_elems + h * d;
-                __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-                for (int e = 1; e < nv; ++e) acc = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(kr + 16 * e), acc);
-                scores[qi * len + t] = _mm512_reduce_add_ps(acc) * j->scale;
+                const float *row = cache + (int64_t)slots[t] * row_elems + h * d;
+                if (values) {
+                    const __m512 p = _mm512_set1_ps(scores[qi * len + t]);
+                    for (int e = 0; e < nv; ++e) reg[e] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * e), reg[e]);
+                } else {
+                    __m512 acc = _mm512_mul_ps(reg[0], _mm512_loadu_ps(row));
+                    for (int e = 1; e < nv; ++e) acc = _mm512_fmadd_ps(reg[e], _mm512_loadu_ps(row + 16 * e), acc);
+                    scores[qi * len + t] = _mm512_reduce_add_ps(acc) * j->scale;
+                }
             }
-        }
-}
-
-static inline __attribute__((always_inline)) void block_values(const job_t *j, float *ob, const int32_t *slots,
-                                                               int64_t t0, int64_t t1, int64_t len,
-                                                               const float *scores, const int nv) {
-    const int64_t d = j->head_dim, row_elems = j->kv_heads * d, group = j->num_heads / j->kv_heads;
-    for (int64_t h = 0, qi = 0; h < j->kv_heads; ++h)
-        for (int64_t g = 0; g < group; ++g, ++qi) {
-            __m512 acc[8];
-            for (int e = 0; e < nv; ++e) acc[e] = _mm512_loadu_ps(ob + qi * d + 16 * e);
-            for (int64_t t = t0; t < t1; ++t) {
-                const float *vr = (const float *)j->v + (int64_t)slots[t] * row_elems + h * d;
-                const __m512 p = _mm512_set1_ps(scores[qi * len + t]);
-                for (int e = 0; e < nv; ++e) acc[e] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * e), acc[e]);
-            }
-            for (int e = 0; e < nv; ++e) _mm512_storeu_ps(ob + qi * d + 16 * e, acc[e]);
+            if (values)
+                for (int e = 0; e < nv; ++e) _mm512_storeu_ps(ob + qi * d + 16 * e, reg[e]);
         }
 }
 
 /* Pass 1 (values == 0) or 2 over a unit's tokens, a block at a time, prefetching as the plain loops
- * do; nv a constant for the common head dims so the vector loops unroll. */
+ * do. */
 static inline __attribute__((always_inline)) void blocked_pass(const job_t *j, const float *qb, float *ob,
                                                                const int32_t *slots, int64_t len, float *scores,
                                                                int values) {
@@ -171,15 +165,10 @@ static inline __attribute__((always_inline)) void blocked_pass(const job_t *j, c
     for (int64_t t = 0; t < len; t += BLOCK_TOKENS) {
         const int64_t end = t + BLOCK_TOKENS < len ? t + BLOCK_TOKENS : len;
         prefetch_tokens(base, slots, t + PREFETCH_TOKENS, end + PREFETCH_TOKENS, len, row_elems, row_bytes, 0);
-        if (values) {
-            if (nv == 4) block_values(j, ob, slots, t, end, len, scores, 4);
-            else if (nv == 8) block_values(j, ob, slots, t, end, len, scores, 8);
-            else block_values(j, ob, slots, t, end, len, scores, nv);
-        } else {
-            if (nv == 4) block_scores(j, qb, slots, t, end, len, scores, 4);
-            else if (nv == 8) block_scores(j, qb, slots, t, end, len, scores, 8);
-            else block_scores(j, qb, slots, t, end, len, scores, nv);
-        }
+        /* nv a constant for the common head dims, so the vector loops unroll */
+        if (nv == 4) block_heads(j, qb, ob, slots, t, end, len, scores, 4, values);
+        else if (nv == 8) block_heads(j, qb, ob, slots, t, end, len, scores, 8, values);
+        else block_heads(j, qb, ob, slots, t, end, len, scores, nv, values);
     }
 }
 #endif
