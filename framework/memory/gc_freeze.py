@@ -3,7 +3,8 @@
 A plugserve process holds a few hundred thousand long-lived Python objects once torch,
 transformers and the model are loaded (~330k in the HTTP process on the Sapphire Rapids host), and
 CPython's full (generation 2) collection walks all of them: 124 ms there, measured, and 98-147 ms
-per full collection logged from a running server. Such a collection comes whenever enough objects
+per full collection logged from a server's processes (those came at startup and at shutdown in the
+logged run). Such a collection comes whenever enough objects
 have survived into the oldest generation (a quarter of it), which requests that live for seconds
 do: then every stream of the HTTP process, or the whole decode loop of a scheduler, stops for that
 long. :func:`freeze_startup_objects` collects once and moves everything alive into the permanent
