@@ -31,10 +31,11 @@ def _bench(tmp_path: Path, url: str, *extra: str, progress: bool = False) -> dic
     return json.loads(lines[0])
 
 
-def _check_timings(row: dict) -> None:
+def _check_timings(row: dict, names: tuple[str, ...] = ("ttft", "tpot", "itl", "e2e_latency")) -> None:
     for key in LATENCY_KEYS:
-        assert row[key] is not None and row[key] > 0, key
-    for name in ("ttft", "tpot", "itl", "e2e_latency"):
+        if key.split("_", 1)[1].removesuffix("_ms") in names:
+            assert row[key] is not None and row[key] > 0, key
+    for name in names:
         assert row[f"p99_{name}_ms"] >= row[f"median_{name}_ms"]
     assert row["mean_e2e_latency_ms"] >= row["mean_ttft_ms"]
     assert row["request_throughput"] > 0 and row["output_throughput"] > 0 and row["input_throughput"] > 0
@@ -68,7 +69,10 @@ def test_sampled_workload(bench_server, tmp_path: Path, backend: str) -> None:
                  "--output-len", "6", "--max-concurrency", "4", "--temperature", "1.0", "--warmup", "1")
     assert row["temperature"] == 1.0 and row["completed"] == 4 and row["failed"] == 0
     assert row["total_output_tokens"] == 24
-    _check_timings(row)
+    # No ITL: the client times gaps between chunks that carry text, and tokens drawn at random from
+    # the tiny model's vocabulary often decode to nothing alone (pieces of a UTF-8 character), so a
+    # run whose four streams each got fewer than two text chunks has no gap to time (seen in CI).
+    _check_timings(row, ("ttft", "tpot", "e2e_latency"))
 
 
 def test_openai_backend_text_prompts_shared_prefix(bench_server, tmp_path: Path) -> None:
