@@ -335,7 +335,8 @@ INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int m
 #define TILE_CASES_3_6(ahead, blocked)
 #endif
 /* One tile, its row count made a constant for the compiler. prefetch: stream its own panel ahead
- * (PREFETCH_BYTES); ahead: where the next panel's lines to fetch while it runs begin, or NULL. A
+ * (PREFETCH_BYTES); ahead: where this block's share of the next panel's lines begins, or NULL, a
+ * line fetched every `every` k iterations, `share` lines in all (panel_rows). A
  * tile with `ahead`, and one reading a blocked input, is an instance of its own (only calls of two
  * or more blocks use them): a check in the k loop of every tile cost 3% at 64 rows. */
 static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int prefetch, const char *ahead,

@@ -63,10 +63,14 @@ def kernel_available() -> bool:
     return _load() is not None
 
 
-def _row_limit(c_function: str, dtype: torch.dtype) -> int:
-    """One of the C side's per-build row limits for ``dtype``, at most :data:`MAX_ROWS`; 0 without the kernel."""
+def _row_limit(c_function: str, dtype: torch.dtype, amx_cap: int | None = None) -> int:
+    """One of the C side's per-build row limits for ``dtype``, at most :data:`MAX_ROWS` (and at most
+    ``amx_cap`` for bf16 where oneDNN has AMX); 0 without the kernel."""
     lib = _load()
-    return 0 if lib is None else min(MAX_ROWS, int(getattr(lib, c_function)(int(dtype == torch.bfloat16))))
+    if lib is None:
+        return 0
+    limit = min(MAX_ROWS, int(getattr(lib, c_function)(int(dtype == torch.bfloat16))))
+    return min(limit, amx_cap) if amx_cap is not None and dtype == torch.bfloat16 and amx_available() else limit
 
 
 #: bf16 row limits where the CPU has AMX. oneDNN then multiplies bf16 on AMX tiles, and its GEMM
@@ -90,8 +94,7 @@ def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
     of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16, 4 in bf16 with AMX:
     :data:`AMX_BF16_MAX_ROWS`); 0 when the kernel is unavailable."""
-    limit = _row_limit("small_gemm_max_rows", dtype)
-    return min(limit, AMX_BF16_MAX_ROWS) if dtype == torch.bfloat16 and amx_available() else limit
+    return _row_limit("small_gemm_max_rows", dtype, AMX_BF16_MAX_ROWS)
 
 
 @lru_cache(maxsize=2)
@@ -101,8 +104,7 @@ def fused_max_rows(dtype: torch.dtype = torch.float32) -> int:
     with AMX (:data:`AMX_BF16_FUSED_MAX_ROWS`), more than :func:`max_rows` because the fused step
     also saves the module path's per-layer calls; with AVX2 the same as :func:`max_rows`); 0 when
     the kernel is unavailable."""
-    limit = _row_limit("small_gemm_fused_max_rows", dtype)
-    return min(limit, AMX_BF16_FUSED_MAX_ROWS) if dtype == torch.bfloat16 and amx_available() else limit
+    return _row_limit("small_gemm_fused_max_rows", dtype, AMX_BF16_FUSED_MAX_ROWS)
 
 
 #: Output columns (weight rows) per panel of the kernel's weight layout (``small_gemm.c``), and
