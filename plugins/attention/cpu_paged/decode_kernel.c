@@ -123,7 +123,18 @@ static inline void prefetch_tokens(const void *base, const int32_t *slots, int64
  * 4 x 600 0.68x, 1 x 600 0.84x; inside llama-120m's fused decode step (alternating in one process)
  * the attention took 0.89x at 4 x 600 and 0.94x at 16 x 1000 (steps 0.96x and 0.95x) but the same
  * at 64 x 128-208 (36.0 vs 36.5 ms: there it waits on memory either way). A bf16 cache measured
- * no faster this way (1.02x), so it keeps the plain loops. */
+ * no faster this way (1.02x), so it keeps the plain loops.
+ *
+ * Prefetching, spread: each head of a block asks for its own slice of the next block's rows (4
+ * lines a row at head_dim 64), so the requests go out a few at a time between the loads that use
+ * the data. Asking for the next block's whole rows at the block's start (the plain loops' scheme,
+ * 384 lines at once here) measured slower: a burst fills the core's miss queues and the block's own
+ * loads wait behind it. Same host, from memory, against that burst (alternating in one process):
+ * the kernel alone over 12 layers 64 x 170 tokens 0.91-0.92x the time (25.1 -> 27.5-27.8 GB/s of
+ * a 29 GB/s plain read), 16 x 1000 0.92x, 4 x 600 0.90x, 1 x 600 0.83-0.90x, 8 x 150 0.87x; in the
+ * fused step the attention took 0.865x at 64 x 128-208 (step layers 68.9 vs 73.3 ms), 0.80x at 16
+ * x 128-208, 0.93x at 4 x 600, 0.85x at 1 x 600. Two blocks ahead, or blocks of 4 or 16, were no
+ * better; prefetching into L1 (locality 3) was 1.04x slower, non-temporal 2.8x slower. */
 #define BLOCK_TOKENS 8
 
 /* Tokens [t0, t1) for every query head, head by head. Pass 1 (values == 0): scores[qi * len + t] =
@@ -136,6 +147,10 @@ static inline __attribute__((always_inline)) void block_heads(const job_t *j, co
     const float *cache = (const float *)(values ? j->v : j->k);
     for (int64_t h = 0, qi = 0; h < j->kv_heads; ++h)
         for (int64_t g = 0; g < group; ++g, ++qi) {
+            if (g == 0) /* this kv head's slice of the next block's rows, ahead of use */
+                for (int64_t u = t1; u < t1 + BLOCK_TOKENS && u < len; ++u)
+                    for (int64_t e = 0; e < d; e += 16) /* 16 floats: one 64-byte line */
+                        __builtin_prefetch(cache + (int64_t)slots[u] * row_elems + h * d + e, 0, 1);
             __m512 reg[8]; /* the query (pass 1) or the output accumulators (pass 2) */
             for (int e = 0; e < nv; ++e) reg[e] = _mm512_loadu_ps((values ? ob : qb) + qi * d + 16 * e);
             for (int64_t t = t0; t < t1; ++t) {
@@ -154,17 +169,18 @@ static inline __attribute__((always_inline)) void block_heads(const job_t *j, co
         }
 }
 
-/* Pass 1 (values == 0) or 2 over a unit's tokens, a block at a time, prefetching as the plain loops
- * do. */
+/* Pass 1 (values == 0) or 2 over a unit's tokens, a block at a time; block_heads prefetches the
+ * next block, so only the rest of the first one is asked for here (its first PREFETCH_TOKENS rows
+ * were before the pass). */
 static inline __attribute__((always_inline)) void blocked_pass(const job_t *j, const float *qb, float *ob,
                                                                const int32_t *slots, int64_t len, float *scores,
                                                                int values) {
     const int64_t row_elems = j->kv_heads * j->head_dim, row_bytes = row_elems * 4;
     const int nv = (int)(j->head_dim / 16);
     const void *base = values ? j->v : j->k;
+    prefetch_tokens(base, slots, PREFETCH_TOKENS, BLOCK_TOKENS, len, row_elems, row_bytes, 0); /* the rest of block 0 */
     for (int64_t t = 0; t < len; t += BLOCK_TOKENS) {
         const int64_t end = t + BLOCK_TOKENS < len ? t + BLOCK_TOKENS : len;
-        prefetch_tokens(base, slots, t + PREFETCH_TOKENS, end + PREFETCH_TOKENS, len, row_elems, row_bytes, 0);
         /* nv a constant for the common head dims, so the vector loops unroll */
         if (nv == 4) block_heads(j, qb, ob, slots, t, end, len, scores, 4, values);
         else if (nv == 8) block_heads(j, qb, ob, slots, t, end, len, scores, 8, values);
