@@ -52,6 +52,8 @@ def _load() -> ctypes.CDLL | None:
     for fn in (lib.small_gemm_max_rows, lib.small_gemm_fused_max_rows):
         fn.argtypes = [ctypes.c_int]
         fn.restype = ctypes.c_int
+    lib.small_gemm_amx.argtypes = []
+    lib.small_gemm_amx.restype = ctypes.c_int
     geometry = (lib.small_gemm_panel_cols(), lib.small_gemm_k_align(), lib.small_gemm_max_rows_any())
     if geometry != (PANEL_COLS, K_ALIGN, MAX_ROWS):
         raise RuntimeError("small_gemm.c and small_gemm.py disagree on the panel layout")
@@ -63,18 +65,28 @@ def kernel_available() -> bool:
     return _load() is not None
 
 
+def kernel_uses_amx() -> bool:
+    """Whether the kernel's bf16 calls run on AMX tiles here (a build for a CPU with AMX, and the OS
+    granted the tile state)."""
+    lib = _load()
+    return lib is not None and bool(lib.small_gemm_amx())
+
+
 def _row_limit(c_function: str, dtype: torch.dtype, amx_cap: int | None = None) -> int:
     """One of the C side's per-build row limits for ``dtype``, at most :data:`MAX_ROWS` (and at most
-    ``amx_cap`` for bf16 where oneDNN has AMX); 0 without the kernel."""
+    ``amx_cap`` for bf16 where oneDNN has AMX and this kernel does not use it); 0 without the kernel."""
     lib = _load()
     if lib is None:
         return 0
     limit = min(MAX_ROWS, int(getattr(lib, c_function)(int(dtype == torch.bfloat16))))
-    return min(limit, amx_cap) if amx_cap is not None and dtype == torch.bfloat16 and amx_available() else limit
+    capped = amx_cap is not None and dtype == torch.bfloat16 and amx_available() and not kernel_uses_amx()
+    return min(limit, amx_cap) if capped else limit
 
 
-#: bf16 row limits where the CPU has AMX. oneDNN then multiplies bf16 on AMX tiles, and its GEMM
-#: overtakes this kernel's AVX512-BF16 tiles after a few rows. Sapphire Rapids host, llama-120m's 48
+#: bf16 row limits where the CPU has AMX but this kernel's build does not use it (a compiler without
+#: AMX support, or tiles the OS refused; where the kernel has them it beats oneDNN at every row
+#: count, see ``small_gemm_max_rows`` in the C). oneDNN then multiplies bf16 on AMX tiles, and its
+#: GEMM overtakes this kernel's AVX512-BF16 tiles after a few rows. Sapphire Rapids host, llama-120m's 48
 #: decode GEMMs (12 layers), this kernel / oneDNN: 1 row 0.74, 4 rows 0.85, 8 rows 1.11, 16 rows
 #: 1.52, 32 rows 2.41, 64 rows 3.86. Whole bf16 decode steps, fused step / module path on oneDNN
 #: (alternating): 1 row 0.58, 8 rows 0.79, 12 rows 0.88, 14 rows 0.99, 16 rows 1.02, 24 rows 1.21,
@@ -92,16 +104,18 @@ def amx_available() -> bool:
 @lru_cache(maxsize=2)
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
-    of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16, 4 in bf16 with AMX:
-    :data:`AMX_BF16_MAX_ROWS`); 0 when the kernel is unavailable."""
+    of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16, 64 in bf16 on the
+    kernel's AMX tiles, 4 in bf16 where only oneDNN has AMX: :data:`AMX_BF16_MAX_ROWS`); 0 when the
+    kernel is unavailable."""
     return _row_limit("small_gemm_max_rows", dtype, AMX_BF16_MAX_ROWS)
 
 
 @lru_cache(maxsize=2)
 def fused_max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows a fused decode step (:mod:`framework.models.fused_decode`) runs through the
-    kernel here (``small_gemm_fused_max_rows``: with AVX-512 64 in fp32 and 48 in bf16, 14 in bf16
-    with AMX (:data:`AMX_BF16_FUSED_MAX_ROWS`), more than :func:`max_rows` because the fused step
+    kernel here (``small_gemm_fused_max_rows``: with AVX-512 64 in fp32 and 48 in bf16, 64 in bf16
+    on the kernel's AMX tiles, 14 in bf16 where only oneDNN has AMX
+    (:data:`AMX_BF16_FUSED_MAX_ROWS`), more than :func:`max_rows` because the fused step
     also saves the module path's per-layer calls; with AVX2 the same as :func:`max_rows`); 0 when
     the kernel is unavailable."""
     return _row_limit("small_gemm_fused_max_rows", dtype, AMX_BF16_FUSED_MAX_ROWS)

@@ -135,8 +135,8 @@ def _bf16_bounds(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, add: torc
     return lo, hi
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 24, 37, 48])
-@pytest.mark.parametrize("n_out,k_in", [(40, 24), (257, 1001), (3, 8), (64, 5), (96, 40)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 17, 24, 37, 48, 64])
+@pytest.mark.parametrize("n_out,k_in", [(40, 24), (257, 1001), (3, 8), (64, 5), (96, 40), (96, 64), (130, 768)])
 @pytest.mark.parametrize("with_add", [False, True])
 def test_bf16_within_fp32_accumulation_of_the_exact_result(rows: int, n_out: int, k_in: int, with_add: bool,
                                                           kernel_variant: str) -> None:
@@ -144,7 +144,9 @@ def test_bf16_within_fp32_accumulation_of_the_exact_result(rows: int, n_out: int
     bf16 roundings of the exact result moved by fp32 accumulation error, the residual added after
     rounding the linear's output (a kernel that dropped a column, a K tail or the bias, or summed in
     bf16, falls outside). Whole panels (96 outputs) take the vector epilogue, a last partial panel
-    the scalar one."""
+    the scalar one. Where the kernel uses AMX (native build), K a multiple of 32 and 2+ rows run on
+    the tiles: one or two A tiles a pass (17 rows: a pass of two, 37: two passes, the last of one),
+    rows padded past M."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out + k_in + with_add)
     x, w = torch.randn(rows, k_in, generator=g).bfloat16(), torch.randn(n_out, k_in, generator=g).bfloat16()
     bias = torch.randn(n_out, generator=g).bfloat16()
@@ -195,17 +197,33 @@ def test_swiglu_steps_aside_where_it_does_not_apply() -> None:
 def test_row_limit_per_dtype() -> None:
     """The build's row limits: 8 on AVX2 (or plain C), and with AVX-512 32 in fp32 and 24 in bf16
     (oneDNN's bf16 GEMM out-computes the kernel sooner once the weight stream no longer bounds it),
-    4 in bf16 where oneDNN has AMX."""
+    64 in bf16 where the kernel itself runs on AMX tiles, 4 where only oneDNN has AMX."""
     fp32, bf16 = small_gemm.max_rows(torch.float32), small_gemm.max_rows(torch.bfloat16)
-    avx512_bf16 = small_gemm.AMX_BF16_MAX_ROWS if small_gemm.amx_available() else 24
+    if small_gemm.kernel_uses_amx():
+        avx512_bf16 = 64
+    else:
+        avx512_bf16 = small_gemm.AMX_BF16_MAX_ROWS if small_gemm.amx_available() else 24
     assert (fp32, bf16) == ((32, avx512_bf16) if "avx512f" in _cpu_flags() else (8, 8))
 
 
+def test_kernel_uses_amx_where_the_cpu_and_os_offer_it() -> None:
+    """The native build takes AMX tiles exactly where the CPU has them and the OS grants them (what
+    torch's own probe asks too), and never elsewhere."""
+    flags = _cpu_flags()
+    if not {"amx_tile", "amx_bf16"} <= flags:
+        assert not small_gemm.kernel_uses_amx()
+    elif small_gemm.amx_available():
+        assert small_gemm.kernel_uses_amx()
+
+
+@pytest.mark.parametrize("kernel_amx", [False, True])
 @pytest.mark.parametrize("amx", [False, True])
-def test_amx_caps_only_the_bf16_limits(monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
-    """With AMX, bf16 calls of more than a few rows (fused steps of more than 14) go to oneDNN;
-    fp32 keeps the build's limits, and so does bf16 without AMX."""
+def test_amx_caps_only_the_bf16_limits(monkeypatch: pytest.MonkeyPatch, amx: bool, kernel_amx: bool) -> None:
+    """Where oneDNN has AMX and this kernel does not, bf16 calls of more than a few rows (fused steps
+    of more than 14) go to oneDNN; fp32 keeps the build's limits, and so does bf16 without AMX or
+    with the kernel's own AMX tiles."""
     monkeypatch.setattr(small_gemm, "amx_available", lambda: amx)
+    monkeypatch.setattr(small_gemm, "kernel_uses_amx", lambda: kernel_amx)
     build = {(fn, dt): small_gemm._row_limit(fn, dt) for fn in ("small_gemm_max_rows", "small_gemm_fused_max_rows")
              for dt in (torch.float32, torch.bfloat16)}
     bf16 = torch.bfloat16
@@ -213,7 +231,8 @@ def test_amx_caps_only_the_bf16_limits(monkeypatch: pytest.MonkeyPatch, amx: boo
                            (small_gemm.fused_max_rows, "small_gemm_fused_max_rows",
                             small_gemm.AMX_BF16_FUSED_MAX_ROWS)):
         assert limit.__wrapped__(torch.float32) == build[(fn, torch.float32)]  # bypass the per-dtype cache
-        assert limit.__wrapped__(bf16) == (min(build[(fn, bf16)], cap) if amx else build[(fn, bf16)])
+        capped = amx and not kernel_amx
+        assert limit.__wrapped__(bf16) == (min(build[(fn, bf16)], cap) if capped else build[(fn, bf16)])
 
 
 def _cpu_flags() -> set[str]:
