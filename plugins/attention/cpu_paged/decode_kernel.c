@@ -112,7 +112,8 @@ static inline void prefetch_tokens(const void *base, const int32_t *slots, int64
 }
 
 #ifdef __AVX512F__
-/* The passes with AVX-512 intrinsics, for a fp32 cache and head_dim a multiple of 16 up to 128
+/* The passes with AVX-512 intrinsics, for head_dim a multiple of 16 up to 128 (a bf16 cache's
+ * elements widened to fp32 on load, exactly, as the plain loops do)
  * (nv = head_dim / 16 vectors). Within a block of BLOCK_TOKENS tokens the loops go head by head, so
  * a head's query (pass 1) or its output accumulators (pass 2) stay in registers across the block
  * instead of being loaded, and in pass 2 stored, again for every token as the plain loops below
@@ -123,7 +124,9 @@ static inline void prefetch_tokens(const void *base, const int32_t *slots, int64
  * 4 x 600 0.68x, 1 x 600 0.84x; inside llama-120m's fused decode step (alternating in one process)
  * the attention took 0.89x at 4 x 600 and 0.94x at 16 x 1000 (steps 0.96x and 0.95x) but the same
  * at 64 x 128-208 (36.0 vs 36.5 ms: there it waits on memory either way). A bf16 cache measured
- * no faster this way (1.02x), so it keeps the plain loops.
+ * no faster this way (1.02x) until the prefetches below were spread; with them, the kernel alone
+ * took 0.86x the plain loops' time at 64 x 170, 0.85x at 16 x 300, 0.79x at 4 x 600, 0.76x at 1 x
+ * 600, and in a bf16 model's fused step the attention 0.88x at 64 x 128-208, 0.80x at 16 rows.
  *
  * Prefetching, spread: each head of a block asks for its own slice of the next block's rows (4
  * lines a row at head_dim 64), so the requests go out a few at a time between the loads that use
@@ -136,31 +139,44 @@ static inline void prefetch_tokens(const void *base, const int32_t *slots, int64
  * x 128-208, 0.93x at 4 x 600, 0.85x at 1 x 600. Two blocks ahead, or blocks of 4 or 16, were no
  * better; prefetching into L1 (locality 3) was 1.04x slower, non-temporal 2.8x slower. */
 #define BLOCK_TOKENS 8
+#ifndef BLOCKED_BF16
+#define BLOCKED_BF16 1 /* 0: a bf16 cache takes the plain loops (for A/B builds) */
+#endif
 
 /* Tokens [t0, t1) for every query head, head by head. Pass 1 (values == 0): scores[qi * len + t] =
  * scale * q_qi . k_t, q_qi in registers. Pass 2: ob[qi] += sum_t p[qi, t] v_t, summed in registers
  * over the block and stored once. */
+/* 16 elements of a K/V row from `row` (a head's slice) as fp32: bf16 widened exactly by a shift. */
+static inline __attribute__((always_inline)) __m512 load16(const void *row, int e, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + 16 * e))), 16));
+    return _mm512_loadu_ps((const float *)row + 16 * e);
+}
+
 static inline __attribute__((always_inline)) void block_heads(const job_t *j, const float *qb, float *ob,
                                                               const int32_t *slots, int64_t t0, int64_t t1,
-                                                              int64_t len, float *scores, const int nv, int values) {
+                                                              int64_t len, float *scores, const int nv, int values,
+                                                              const int bf16) {
     const int64_t d = j->head_dim, row_elems = j->kv_heads * d, group = j->num_heads / j->kv_heads;
-    const float *cache = (const float *)(values ? j->v : j->k);
+    const void *cache = values ? j->v : j->k;
+    const int64_t line_elems = bf16 ? 32 : 16; /* elements in a 64-byte line */
     for (int64_t h = 0, qi = 0; h < j->kv_heads; ++h)
         for (int64_t g = 0; g < group; ++g, ++qi) {
             if (g == 0) /* this kv head's slice of the next block's rows, ahead of use */
                 for (int64_t u = t1; u < t1 + BLOCK_TOKENS && u < len; ++u)
-                    for (int64_t e = 0; e < d; e += 16) /* 16 floats: one 64-byte line */
-                        __builtin_prefetch(cache + (int64_t)slots[u] * row_elems + h * d + e, 0, 1);
+                    for (int64_t e = 0; e < d; e += line_elems)
+                        __builtin_prefetch(kv_row(cache, (int64_t)slots[u] * row_elems + h * d + e, bf16), 0, 1);
             __m512 reg[8]; /* the query (pass 1) or the output accumulators (pass 2) */
             for (int e = 0; e < nv; ++e) reg[e] = _mm512_loadu_ps((values ? ob : qb) + qi * d + 16 * e);
             for (int64_t t = t0; t < t1; ++t) {
-                const float *row = cache + (int64_t)slots[t] * row_elems + h * d;
+                const void *row = kv_row(cache, (int64_t)slots[t] * row_elems + h * d, bf16);
                 if (values) {
                     const __m512 p = _mm512_set1_ps(scores[qi * len + t]);
-                    for (int e = 0; e < nv; ++e) reg[e] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * e), reg[e]);
+                    for (int e = 0; e < nv; ++e) reg[e] = _mm512_fmadd_ps(p, load16(row, e, bf16), reg[e]);
                 } else {
-                    __m512 acc = _mm512_mul_ps(reg[0], _mm512_loadu_ps(row));
-                    for (int e = 1; e < nv; ++e) acc = _mm512_fmadd_ps(reg[e], _mm512_loadu_ps(row + 16 * e), acc);
+                    __m512 acc = _mm512_mul_ps(reg[0], load16(row, 0, bf16));
+                    for (int e = 1; e < nv; ++e) acc = _mm512_fmadd_ps(reg[e], load16(row, e, bf16), acc);
                     scores[qi * len + t] = _mm512_reduce_add_ps(acc) * j->scale;
                 }
             }
@@ -174,17 +190,17 @@ static inline __attribute__((always_inline)) void block_heads(const job_t *j, co
  * were before the pass). */
 static inline __attribute__((always_inline)) void blocked_pass(const job_t *j, const float *qb, float *ob,
                                                                const int32_t *slots, int64_t len, float *scores,
-                                                               int values) {
-    const int64_t row_elems = j->kv_heads * j->head_dim, row_bytes = row_elems * 4;
+                                                               int values, const int bf16) {
+    const int64_t row_elems = j->kv_heads * j->head_dim, row_bytes = row_elems * (bf16 ? 2 : 4);
     const int nv = (int)(j->head_dim / 16);
     const void *base = values ? j->v : j->k;
-    prefetch_tokens(base, slots, PREFETCH_TOKENS, BLOCK_TOKENS, len, row_elems, row_bytes, 0); /* the rest of block 0 */
+    prefetch_tokens(base, slots, PREFETCH_TOKENS, BLOCK_TOKENS, len, row_elems, row_bytes, bf16); /* the rest of block 0 */
     for (int64_t t = 0; t < len; t += BLOCK_TOKENS) {
         const int64_t end = t + BLOCK_TOKENS < len ? t + BLOCK_TOKENS : len;
         /* nv a constant for the common head dims, so the vector loops unroll */
-        if (nv == 4) block_heads(j, qb, ob, slots, t, end, len, scores, 4, values);
-        else if (nv == 8) block_heads(j, qb, ob, slots, t, end, len, scores, 8, values);
-        else block_heads(j, qb, ob, slots, t, end, len, scores, nv, values);
+        if (nv == 4) block_heads(j, qb, ob, slots, t, end, len, scores, 4, values, bf16);
+        else if (nv == 8) block_heads(j, qb, ob, slots, t, end, len, scores, 8, values, bf16);
+        else block_heads(j, qb, ob, slots, t, end, len, scores, nv, values, bf16);
     }
 }
 #endif
@@ -208,8 +224,8 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
         /* pass 1: scores of every head against each token's whole K row */
         prefetch_tokens(j->k, slots, 1, PREFETCH_TOKENS, len, row_elems, row_bytes, bf16);
 #ifdef __AVX512F__
-        const int blocked = !bf16 && d % 16 == 0 && d <= 128;
-        if (blocked) blocked_pass(j, qb, ob, slots, len, scores, 0);
+        const int blocked = BLOCKED_BF16 >= bf16 && d % 16 == 0 && d <= 128;
+        if (blocked) blocked_pass(j, qb, ob, slots, len, scores, 0, bf16);
         for (int64_t t = 0; t < (blocked ? 0 : len); ++t) {
 #else
         for (int64_t t = 0; t < len; ++t) {
@@ -239,7 +255,7 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
         /* pass 2: weighted sum of the values, each V row read whole */
         prefetch_tokens(j->v, slots, 1, PREFETCH_TOKENS, len, row_elems, row_bytes, bf16);
 #ifdef __AVX512F__
-        if (blocked) blocked_pass(j, qb, ob, slots, len, scores, 1);
+        if (blocked) blocked_pass(j, qb, ob, slots, len, scores, 1, bf16);
         for (int64_t t = 0; t < (blocked ? 0 : len); ++t) {
 #else
         for (int64_t t = 0; t < len; ++t) {
