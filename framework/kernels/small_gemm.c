@@ -92,7 +92,7 @@ typedef struct {
     const void *add; int64_t ld_add;  /* M rows of N, the weight's type, or NULL */
     void *y; int64_t ldy;          /* M rows of N, the weight's type */
     int64_t M, N, Kp;              /* N: the real output columns; Kp: K rounded up to K_ALIGN */
-    int bf16, x_blocked, amx;      /* amx: bf16 tiles on AMX (xb row-major, rows padded to AMX_ROWS) */
+    int bf16, x_blocked, amx;      /* amx: bf16 on AMX tiles (xb row-major, zero rows up to whole passes) */
     void *act; int64_t ld_act;     /* SwiGLU output (M rows of N / 2, the weight's type), or NULL: then y
                                     * is a scratch [gate; up] and act gets silu(gate) * up */
 } gemm_args;
