@@ -25,6 +25,13 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* 16 bf16 values as fp32: bf16_to_float a vector at a time (a shift, exact). */
+static inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+static inline __m512 load_bf16(const uint16_t *p) { return widen_bf16(_mm256_loadu_si256((const __m256i *)p)); }
+#endif
+
 /* exp(x) for x <= 0 (scores minus their max), as 2^k * 2^f with a degree-6 polynomial for 2^f on
  * [-0.5, 0.5] (relative error ~1e-7). Unlike libm's expf it is plain arithmetic, so softmax loops
  * vectorise; a call per score was a visible share of the decode kernel. GCC vectorises the floorf

@@ -228,10 +228,6 @@ INLINE __m256i round_bf16(__m512 f) {
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
     return _mm512_cvtepi32_epi16(r);
 }
-
-/* 16 bf16 values as fp32 (a shift, exact). */
-INLINE __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-INLINE __m512 load_bf16(const uint16_t *p) { return widen_bf16(_mm256_loadu_si256((const __m256i *)p)); }
 #endif
 
 /* The epilogue of one row of a bf16 tile, its sums in acc (the roundings of store, in vectors with

@@ -112,9 +112,8 @@ static inline void prefetch_tokens(const void *base, const int32_t *slots, int64
 }
 
 #ifdef __AVX512F__
-/* The passes with AVX-512 intrinsics, for head_dim a multiple of 16 up to 128 (a bf16 cache's
- * elements widened to fp32 on load, exactly, as the plain loops do)
- * (nv = head_dim / 16 vectors). Within a block of BLOCK_TOKENS tokens the loops go head by head, so
+/* The passes with AVX-512 intrinsics, for head_dim a multiple of 16 up to 128 (nv = head_dim / 16
+ * vectors), fp32 or bf16 cache (widened on load, exactly, as the plain loops do). Within a block of BLOCK_TOKENS tokens the loops go head by head, so
  * a head's query (pass 1) or its output accumulators (pass 2) stay in registers across the block
  * instead of being loaded, and in pass 2 stored, again for every token as the plain loops below
  * do. Pass 2 does the same FMAs in the same order as those loops (bit for bit the same output);
@@ -143,16 +142,14 @@ static inline void prefetch_tokens(const void *base, const int32_t *slots, int64
 #define BLOCKED_BF16 1 /* 0: a bf16 cache takes the plain loops (for A/B builds) */
 #endif
 
+/* Elements 16e .. 16e+15 of a K/V row's head slice `row`, as fp32 (bf16 widened, exactly). */
+static inline __attribute__((always_inline)) __m512 load16(const void *row, int e, int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)row + 16 * e) : _mm512_loadu_ps((const float *)row + 16 * e);
+}
+
 /* Tokens [t0, t1) for every query head, head by head. Pass 1 (values == 0): scores[qi * len + t] =
  * scale * q_qi . k_t, q_qi in registers. Pass 2: ob[qi] += sum_t p[qi, t] v_t, summed in registers
  * over the block and stored once. */
-/* 16 elements of a K/V row from `row` (a head's slice) as fp32: bf16 widened exactly by a shift. */
-static inline __attribute__((always_inline)) __m512 load16(const void *row, int e, int bf16) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + 16 * e))), 16));
-    return _mm512_loadu_ps((const float *)row + 16 * e);
-}
 
 static inline __attribute__((always_inline)) void block_heads(const job_t *j, const float *qb, float *ob,
                                                               const int32_t *slots, int64_t t0, int64_t t1,
