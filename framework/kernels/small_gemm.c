@@ -403,43 +403,14 @@ static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int pref
  * sums in fp32 (in its own order, and with denormal inputs and outputs flushed to zero), so results
  * differ from the vector tiles by fp32 rounding, as oneDNN's AMX GEMM does. */
 #define SMALL_GEMM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h" /* amx_permitted, amx_configure: tiles 0-1 A (input rows), 2-3 B (the panel's
+                      * columns 0-15 and 16-31), 4-7 C */
 #define AMX_ROWS 16                /* rows of an A tile and of a C tile */
 #define AMX_K 32                   /* k per step: an A tile row is 32 bf16 (64 bytes) */
 #define AMX_PASS_ROWS (2 * AMX_ROWS)
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 2 /* one row streams as fast on the vector tiles (chain of 48 GEMMs: AMX 1.08x the time), two on AMX 0.98x */
 #endif
-
-/* Linux gives a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
- * XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once; 1 if granted. */
-static int amx_permitted(void) {
-    static int state = -1;
-    int s = __atomic_load_n(&state, __ATOMIC_RELAXED);
-    if (s < 0) {
-        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-        __atomic_store_n(&state, s, __ATOMIC_RELAXED);
-    }
-    return s;
-}
-
-/* Tiles 0-1: A (input rows), 2-3: B (the panel's columns 0-15 and 16-31), 4-7: C; each 16 rows of
- * 64 bytes. The configuration is per thread: every thread loads it before its first tile. */
-static void amx_configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed, aligned(64))) config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.colsb[t] = 64;
-        config.rows[t] = AMX_ROWS;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* Rows m0.. (32, or 16 when two == 0) against one panel; ahead: the lines of the next panel this
  * pass fetches, `lines` of them, `per_step` a k step. Rows past M are the copy's zero padding and

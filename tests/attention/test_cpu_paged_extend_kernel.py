@@ -1,5 +1,5 @@
 """The ``cpu_paged`` C extend (prefill) kernel against plain SDPA: scattered pages, cached
-prefixes, GQA, head sizes, both cache types and several threads."""
+prefixes, GQA, head sizes, both cache types and several threads; bf16 queries on AMX tiles."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plugins.attention.cpu_paged.kernel import extend_supported, paged_extend_attention
+from plugins.attention.cpu_paged.kernel import extend_amx_supported, extend_supported, paged_extend_attention
 
 
 def _case(prefix_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: int):
@@ -65,6 +65,45 @@ def test_kernel_matches_sdpa(prefix_lens: list[int], q_lens: list[int], heads: i
                            threads)
     ref = _reference(q, k.float(), v.float(), table, rows, prefix_lens, q_lens, scale)
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), (out - ref).abs().max()
+
+
+needs_amx = pytest.mark.skipif(
+    not extend_amx_supported(64),
+    reason="bf16 queries run on AMX tiles, which this CPU, OS or kernel build lacks (Sapphire Rapids and later)")
+
+
+@needs_amx
+@pytest.mark.parametrize(("prefix_lens", "q_lens"), CASES + [([0, 0, 0, 0], [128] * 4), ([300], [77])])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 12, 64), (8, 2, 128), (4, 1, 32), (6, 3, 96)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_kernel_matches_sdpa(prefix_lens: list[int], q_lens: list[int], heads: int, kv_heads: int,
+                                 head_dim: int, threads: int) -> None:
+    """bf16 q, cache and output. The reference is fp32 SDPA over the same bf16 values; the bound is
+    what the kernel rounds: each probability to bf16 (at most 2^-9 of it, so 2^-9 max|v| on the
+    output and 2^-9 |o| through their sum) and the output to bf16 (2^-9 |o|), with a factor of
+    two to spare on the first."""
+    q, k, v, table, rows = _case(prefix_lens, q_lens, heads, kv_heads, head_dim, seed=sum(q_lens) + head_dim)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out = torch.full_like(q, float("nan"))  # every element must be written
+    scale = head_dim**-0.5
+    paged_extend_attention(q, k, v, out, table, rows, torch.tensor(prefix_lens), torch.tensor(q_lens), scale,
+                           threads)
+    ref = _reference(q.float(), k.float(), v.float(), table, rows, prefix_lens, q_lens, scale)
+    bound = 2**-8 * ref.abs() + 2**-8 * v.float().abs().max()
+    err = (out.float() - ref).abs()
+    assert (err <= bound).all(), (err - bound).max()
+
+
+@needs_amx
+def test_amx_kernel_refuses_what_it_cannot_take() -> None:
+    q, k, v, table, rows = _case([0], [8], 4, 2, 48, seed=0)
+    pre, n = torch.tensor([0]), torch.tensor([8])
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    with pytest.raises(RuntimeError, match="status 2"):  # 48 is not a multiple of the tiles' 32
+        paged_extend_attention(qb, kb, vb, torch.empty_like(qb), table, rows, pre, n, 0.1, 1)
+    with pytest.raises(ValueError, match="k_cache: need a contiguous CPU torch.bfloat16"):  # bf16 q, fp32 cache
+        paged_extend_attention(qb, k, v, torch.empty_like(qb), table, rows, pre, n, 0.1, 1)
+    assert not extend_amx_supported(48) and not extend_amx_supported(256) and extend_amx_supported(128)
 
 
 def test_head_sizes_it_takes() -> None:

@@ -192,8 +192,8 @@ def test_bf16_kv_cache_kernel_equals_sdpa_path(cases, make_engine, arch):
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_head_dim"])
 def test_bf16_model_runs_on_the_kernels(cases, make_engine, arch):
     """A bf16 model on cpu_paged: decode and extend both go through the C kernels (decode takes the
-    bf16 query as it is and widens it inside, extend's is widened to fp32 before; the bf16 cache read
-    as it is), not the gather + SDPA fallback. Its greedy tokens are
+    bf16 query as it is and widens it inside, extend's is widened to fp32 before unless it runs on
+    AMX tiles; the bf16 cache read as it is), not the gather + SDPA fallback. Its greedy tokens are
     checked teacher-forced against transformers in bf16: each is transformers' argmax or within two
     bf16 spacings of its largest logit (transformers' logits are bf16: at |logit| 8-16 neighbours
     are 0.0625 apart, so two bf16 paths that round at different points may break a near-tie of this
@@ -217,7 +217,10 @@ def test_bf16_model_runs_on_the_kernels(cases, make_engine, arch):
     finally:
         for fn, impl in real.items():
             setattr(kernel_mod, fn, impl)
-    expected_calls = {("paged_extend_attention", torch.float32, torch.bfloat16)}
+    # bf16 prompts stay bf16 where the extend kernel has AMX tiles for this head size
+    head_dim = paged.runner.model.model.layers[0].self_attn.head_dim
+    extend_q = torch.bfloat16 if kernel_mod.extend_amx_supported(head_dim) else torch.float32
+    expected_calls = {("paged_extend_attention", extend_q, torch.bfloat16)}
     if arch.startswith("qwen3"):
         expected_calls.add(("paged_decode_attention", torch.bfloat16, torch.bfloat16))
     else:  # decode steps in the fused C chain: the same decode kernel, called from C

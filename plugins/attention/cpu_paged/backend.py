@@ -35,6 +35,7 @@ from plugins.attention.cpu_paged.kernel import (
     KV_DTYPES,
     KernelUnavailable,
     compiler,
+    extend_amx_supported,
     extend_supported,
     load_extend_kernel,
     load_kernel,
@@ -195,16 +196,20 @@ class CpuPagedAttnBackend(AttentionBackend):
             return self.sdpa.extend(q, k, v, k_cache, v_cache, layer, meta.fallback)
         k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
         num_tokens = q.shape[0]
-        out = torch.empty(num_tokens, layer.num_heads, layer.head_dim, dtype=torch.float32)
-        q32 = _fp32(q, num_tokens, layer)
+        # bf16 queries over a bf16 cache stay bf16 on the AMX kernel (both kernels take bf16 rows);
+        # everything else is widened to fp32 for the vector kernel and rounded back.
+        amx = q.dtype == kv_dtype == torch.bfloat16 and extend_amx_supported(layer.head_dim)
+        io_dtype = torch.bfloat16 if amx else torch.float32
+        rows = q.reshape(num_tokens, layer.num_heads, layer.head_dim).to(io_dtype).contiguous()
+        out = torch.empty(num_tokens, layer.num_heads, layer.head_dim, dtype=io_dtype)
         tail = meta.decode_tail
         split = num_tokens - (0 if tail is None else tail.rows.shape[0])
         table = forward_batch.req_to_token
         if split:
-            paged_extend_attention(q32[:split], k_cache, v_cache, out[:split], table, meta.rows, meta.prefix_lens,
+            paged_extend_attention(rows[:split], k_cache, v_cache, out[:split], table, meta.rows, meta.prefix_lens,
                                    meta.q_lens, layer.scaling, self.num_threads)
         if tail is not None:  # the one-token requests' K/V are stored above, as a decode step's would be
-            paged_decode_attention(q32[split:], k_cache, v_cache, out[split:], table, tail.rows, tail.lens,
+            paged_decode_attention(rows[split:], k_cache, v_cache, out[split:], table, tail.rows, tail.lens,
                                    layer.scaling, self._decode_threads(tail, layer))
         return out.view(num_tokens, layer.num_heads * layer.head_dim).to(q.dtype)
 
