@@ -7,7 +7,8 @@ is the rate the cores stream the weight at. The C kernel walks its own copy of t
 each k side by side) in per-thread chunks of panels, as a GEMM micro-kernel: each k's weights are
 loaded once and multiplied into every input row's accumulators. On the Zen 4 host (AVX-512,
 AVX512-BF16) it streamed llama-120m's weights ~1.5x faster than oneDNN's GEMV at one row, and was
-faster than oneDNN's blocked GEMM up to 32 rows in fp32 and 24 in bf16; on the 2-core AVX2 host
+faster than oneDNN's blocked GEMM up to 32 rows in fp32 and 24 in bf16 (on the Sapphire Rapids
+host, with bf16 on its AMX tiles, up to 64 in both); on the 2-core AVX2 host
 the previous layout led up to 8 rows (docs/benchmarks.md), hence the per-build, per-dtype limit.
 
 :func:`small_linear` returns ``None`` when the kernel does not apply (not fp32 or bf16 CPU tensors,
@@ -104,8 +105,8 @@ def amx_available() -> bool:
 @lru_cache(maxsize=2)
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
-    of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16, 64 in bf16 on the
-    kernel's AMX tiles, 4 in bf16 where only oneDNN has AMX: :data:`AMX_BF16_MAX_ROWS`); 0 when the
+    of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16, 64 in both where the
+    kernel has AMX tiles, 4 in bf16 where only oneDNN has AMX: :data:`AMX_BF16_MAX_ROWS`); 0 when the
     kernel is unavailable."""
     return _row_limit("small_gemm_max_rows", dtype, AMX_BF16_MAX_ROWS)
 
