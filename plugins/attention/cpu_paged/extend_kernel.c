@@ -61,16 +61,27 @@ typedef struct {
     int64_t cap;  /* padded keys the buffers hold */
 } scratch_t;
 
+/* Grow a thread's n scratch buffers (kept from one work item to the next) to hold `keys` keys,
+ * per_key[i] bytes each in buffer i, 64-byte aligned; *cap is the keys they hold. 1 when memory ran
+ * out (then they hold none). */
+static int grow_scratch(void **bufs, const size_t *per_key, int n, int64_t *cap, int64_t keys) {
+    if (keys <= *cap) return 0;
+    int ok = 1;
+    for (int i = 0; i < n; ++i) {
+        free(bufs[i]);
+        bufs[i] = aligned_alloc(64, per_key[i] * (size_t)keys);
+        ok &= bufs[i] != NULL;
+    }
+    *cap = ok ? keys : 0;
+    return !ok;
+}
+
 static int reserve(scratch_t *w, int64_t keys, int64_t d) {
-    if (keys <= w->cap) return 0;
-    free(w->kt);
-    free(w->v);
-    free(w->s);
-    w->kt = aligned_alloc(64, sizeof(float) * (size_t)(d * keys));
-    w->v = aligned_alloc(64, sizeof(float) * (size_t)(d * keys));
-    w->s = aligned_alloc(64, sizeof(float) * (size_t)(4 * keys));
-    w->cap = (w->kt && w->v && w->s) ? keys : 0;
-    return w->cap ? 0 : 1;
+    void *bufs[3] = {w->kt, w->v, w->s};
+    const size_t per_key[3] = {sizeof(float) * (size_t)d, sizeof(float) * (size_t)d, sizeof(float) * 4};
+    const int rc = grow_scratch(bufs, per_key, 3, &w->cap, keys);
+    w->kt = bufs[0], w->v = bufs[1], w->s = bufs[2];
+    return rc;
 }
 
 /* One request and kv head: gather its K (transposed) and V once, then run every query head of the
@@ -278,17 +289,12 @@ typedef struct {
 } amx_scratch;
 
 static int amx_reserve(amx_scratch *w, int64_t keys32, int64_t d) {
-    if (keys32 <= w->cap) return 0;
-    free(w->kb);
-    free(w->vb);
-    free(w->pb);
-    free(w->s);
-    w->kb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(keys32 * d));
-    w->vb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(keys32 * d));
-    w->pb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(TILE * keys32));
-    w->s = aligned_alloc(64, sizeof(float) * (size_t)(TILE * keys32));
-    w->cap = (w->kb && w->vb && w->pb && w->s) ? keys32 : 0;
-    return w->cap ? 0 : 1;
+    void *bufs[4] = {w->kb, w->vb, w->pb, w->s};
+    const size_t per_key[4] = {sizeof(uint16_t) * (size_t)d, sizeof(uint16_t) * (size_t)d, sizeof(uint16_t) * TILE,
+                               sizeof(float) * TILE};
+    const int rc = grow_scratch(bufs, per_key, 4, &w->cap, keys32);
+    w->kb = bufs[0], w->vb = bufs[1], w->pb = bufs[2], w->s = bufs[3];
+    return rc;
 }
 
 /* One request's K and V of kv head kvh into the tile layouts; keys from `keys` to keys32 are zero
@@ -374,6 +380,22 @@ static inline float amx_softmax_row(const float *s, uint16_t *p, int64_t n, int6
     return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
+/* Tile numbers are constants in the instructions, so a loop's k-th product picks its written-out
+ * case: scores (tile 0) += query chunk k (tile 4 + k) x that chunk of 16 keys (tile 1); or, with
+ * `output`, output tile k (16 dims) += probabilities of 32 keys (tile 4) x their values (tile 5). */
+static inline void tile_product(int output, int64_t k) {
+    switch (output ? 4 + k : k) {
+        case 0: _tile_dpbf16ps(0, 4, 1); break;
+        case 1: _tile_dpbf16ps(0, 5, 1); break;
+        case 2: _tile_dpbf16ps(0, 6, 1); break;
+        case 3: _tile_dpbf16ps(0, 7, 1); break;
+        case 4: _tile_dpbf16ps(0, 4, 5); break;
+        case 5: _tile_dpbf16ps(1, 4, 5); break;
+        case 6: _tile_dpbf16ps(2, 4, 5); break;
+        default: _tile_dpbf16ps(3, 4, 5);
+    }
+}
+
 /* Rows i0 .. i0 + nr - 1 of head h (request at q_start, keys gathered into w). */
 static void amx_block(const uint16_t *q, uint16_t *out, int64_t q_start, int64_t i0, int64_t nr, int64_t prefix,
                       int64_t h, int64_t num_heads, int64_t D, int64_t keys32, float scale, amx_scratch *w) {
@@ -393,19 +415,9 @@ static void amx_block(const uint16_t *q, uint16_t *out, int64_t q_start, int64_t
     for (int64_t j = 0; j <= last / TILE; ++j) {
         const uint32_t *kj = w->kb + j * chunks * TILE * TILE;
         _tile_zero(0);
-        _tile_loadd(1, kj, 64);
-        _tile_dpbf16ps(0, 4, 1);
-        if (chunks > 1) {
-            _tile_loadd(1, kj + TILE * TILE, 64);
-            _tile_dpbf16ps(0, 5, 1);
-        }
-        if (chunks > 2) {
-            _tile_loadd(1, kj + 2 * TILE * TILE, 64);
-            _tile_dpbf16ps(0, 6, 1);
-        }
-        if (chunks > 3) {
-            _tile_loadd(1, kj + 3 * TILE * TILE, 64);
-            _tile_dpbf16ps(0, 7, 1);
+        for (int64_t c = 0; c < chunks; ++c) {
+            _tile_loadd(1, kj + c * TILE * TILE, 64);
+            tile_product(0, c);
         }
         _tile_stored(0, w->s + j * TILE, keys32 * (int64_t)sizeof(float));
     }
@@ -427,19 +439,9 @@ static void amx_block(const uint16_t *q, uint16_t *out, int64_t q_start, int64_t
         for (int64_t g = 0; g < pend / PAIRS; ++g) {
             const uint16_t *vg = w->vb + (g * dtiles + d0) * TILE * PAIRS;
             _tile_loadd(4, w->pb + g * PAIRS, ldp);
-            _tile_loadd(5, vg, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (nt > 1) {
-                _tile_loadd(5, vg + TILE * PAIRS, 64);
-                _tile_dpbf16ps(1, 4, 5);
-            }
-            if (nt > 2) {
-                _tile_loadd(5, vg + 2 * TILE * PAIRS, 64);
-                _tile_dpbf16ps(2, 4, 5);
-            }
-            if (nt > 3) {
-                _tile_loadd(5, vg + 3 * TILE * PAIRS, 64);
-                _tile_dpbf16ps(3, 4, 5);
+            for (int64_t t = 0; t < nt; ++t) {
+                _tile_loadd(5, vg + t * TILE * PAIRS, 64);
+                tile_product(1, t);
             }
         }
         const int64_t ldo = 4 * TILE * (int64_t)sizeof(float);
