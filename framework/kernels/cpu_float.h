@@ -35,17 +35,42 @@ static inline __m512 load_bf16(const uint16_t *p) { return widen_bf16(_mm256_loa
 /* exp(x) for x <= 0 (scores minus their max), as 2^k * 2^f with a degree-6 polynomial for 2^f on
  * [-0.5, 0.5] (relative error ~1e-7). Unlike libm's expf it is plain arithmetic, so softmax loops
  * vectorise; a call per score was a visible share of the decode kernel. GCC vectorises the floorf
- * only under -fno-trapping-math: a kernel using this in a loop builds with it. */
+ * only under -fno-trapping-math: a kernel using this in a loop builds with it. The polynomial's
+ * coefficients (1/n! in ln 2 units of f) are shared with the AVX-512 form below. */
+#define EXP_C2 0.5f
+#define EXP_C3 1.6666667e-1f
+#define EXP_C4 4.1666668e-2f
+#define EXP_C5 8.3333338e-3f
+#define EXP_C6 1.3888889e-3f
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x; /* below this e^x is under FLT_MIN: keep 2^k a normal float */
     const float y = x * 1.44269504088896341f;
     const float kf = __builtin_floorf(y + 0.5f), f = (y - kf) * 0.69314718055994531f;
-    const float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f + f * (8.3333338e-3f
-                    + f * 1.3888889e-3f)))));
+    const float p = 1.0f + f * (1.0f + f * (EXP_C2 + f * (EXP_C3 + f * (EXP_C4 + f * (EXP_C5 + f * EXP_C6)))));
     const int32_t bits = ((int32_t)kf + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+
+#ifdef __AVX512F__
+/* exp_nonpositive of 16 lanes, for loops written in intrinsics (masked tails). */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 kf = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)),
+                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, kf), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(EXP_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(kf), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
 
 #endif

@@ -56,9 +56,9 @@ def bucket_rows(rows: int) -> int:
     evicted on most calls, and the primitives allocated and freed between each step's tensors
     fragmented glibc's heap: the scheduler's idle RSS rose by 425 MB over 10k requests and was
     still rising (``scripts/soak/scheduler_memory.py``, embedded model; the heap's free bytes grew
-    while its live bytes stayed flat). Bucketed, a CPU server with the default budgets (prefill <=
-    1024 rows, decode <= 256, so a mixed step <= 1280) has at most 77 row counts per layer shape
-    (~600 primitives for a Llama's six GEMM kinds), so the caches stop evicting. A row's result
+    while its live bytes stayed flat). Bucketed, a CPU server with the default budgets (a prefill
+    <= 1024 rows, a mixed step <= 1792 with its decode rows) has at most 85 row counts per layer
+    shape (~510 primitives for a Llama's six GEMM kinds), so the caches stop evicting. A row's result
     does not depend on the row count (fp32 here: bitwise equal), so the padding changes no output.
 
     Why finer above 1024: the 64-stream served workload's mixed steps run ~1700 rows, which the

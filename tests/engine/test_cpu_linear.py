@@ -148,7 +148,7 @@ def test_row_counts_are_bucketed_to_a_bounded_set() -> None:
     """oneDNN caches one primitive per row count: a new count per prefill batch made its caches
     churn and fragmented the heap (scripts/soak/scheduler_memory.py), so counts are bucketed."""
     assert len({bucket_rows(n) for n in range(0, 1025)}) <= 80
-    assert len({bucket_rows(n) for n in range(0, 1281)}) <= 77  # a mixed step's most with the default budgets
+    assert len({bucket_rows(n) for n in range(0, 1793)}) <= 85  # up to a mixed step's default budget on CPU
     for n in range(0, 5000):
         b = bucket_rows(n)
         assert n <= b <= max(n, 32) * (1.0625 if n > 1024 else 1.125) and b == bucket_rows(b)

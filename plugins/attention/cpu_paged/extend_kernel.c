@@ -84,6 +84,16 @@ static int reserve(scratch_t *w, int64_t keys, int64_t d) {
     return rc;
 }
 
+/* Each request's first query row (the running sum of q_lens), malloc'd; NULL when memory ran out. */
+static int64_t *query_starts(const int64_t *q_lens, int64_t bs) {
+    int64_t *start = malloc(sizeof(int64_t) * (size_t)bs);
+    for (int64_t b = 0, acc = 0; start && b < bs; ++b) {
+        start[b] = acc;
+        acc += q_lens[b];
+    }
+    return start;
+}
+
 /* One request and kv head: gather its K (transposed) and V once, then run every query head of the
  * group over them, R query rows at a time. D and R are compile-time constants at each call site
  * (the function is force-inlined into one wrapper per head size), so the accumulators stay in
@@ -224,12 +234,8 @@ int paged_extend_attention(const float *q, const void *k, const void *v, float *
                            float scale, int64_t num_threads, int64_t kv_bf16) {
     if (bs <= 0) return 0;
     if (kv_heads <= 0 || num_heads % kv_heads != 0 || head_dim % 16 != 0 || head_dim > 128) return 2;
-    int64_t *q_start = malloc(sizeof(int64_t) * (size_t)bs);
+    int64_t *q_start = query_starts(q_lens, bs);
     if (!q_start) return 1;
-    for (int64_t b = 0, acc = 0; b < bs; ++b) {
-        q_start[b] = acc;
-        acc += q_lens[b];
-    }
     const int64_t items = bs * kv_heads;
     int status = 0;
     if (num_threads < 1) num_threads = 1;
@@ -338,24 +344,6 @@ static void amx_gather(const uint16_t *k, const uint16_t *v, const int32_t *slot
             _mm512_store_si512(dst + (d / TILE) * TILE * PAIRS, _mm512_permutexvar_epi16(pairs, xy));
         }
     }
-}
-
-/* exp_nonpositive, 16 lanes at a time. */
-static inline __m512 exp16_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 kf = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)),
-                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, kf), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.3888889e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3333338e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1666668e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666667e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(kf), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
 /* Row r's probabilities of keys 0 .. n - 1 as bf16 into p (zero from n to pend, a multiple of 16);
@@ -480,12 +468,8 @@ int paged_extend_attention_bf16(const uint16_t *q, const uint16_t *k, const uint
     if (!amx_permitted()) return 4;
     if (bs <= 0) return 0;
     if (kv_heads <= 0 || num_heads % kv_heads != 0 || head_dim % PAIRS != 0 || head_dim > 128) return 2;
-    int64_t *q_start = malloc(sizeof(int64_t) * (size_t)bs);
+    int64_t *q_start = query_starts(q_lens, bs);
     if (!q_start) return 1;
-    for (int64_t b = 0, acc = 0; b < bs; ++b) {
-        q_start[b] = acc;
-        acc += q_lens[b];
-    }
     const int64_t items = bs * kv_heads, group = num_heads / kv_heads;
     int status = 0;
     if (num_threads < 1) num_threads = 1;

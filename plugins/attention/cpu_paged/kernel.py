@@ -64,9 +64,11 @@ def load_extend_kernel() -> ctypes.CDLL:
     return lib
 
 
+@lru_cache(maxsize=8)
 def extend_amx_supported(head_dim: int) -> bool:
     """Whether bf16 prompts of this head size run on the extend kernel's AMX tiles here: a build for
-    a CPU with AMX whose OS granted the tile state, and ``head_dim`` a multiple of 32 up to 128."""
+    a CPU with AMX whose OS granted the tile state, and ``head_dim`` a multiple of 32 up to 128
+    (asked per layer of every prefill, hence cached)."""
     return head_dim % 32 == 0 and 0 < head_dim <= 128 and bool(load_extend_kernel().paged_extend_amx())
 
 
