@@ -95,6 +95,7 @@ typedef struct {
     int bf16, x_blocked, amx;      /* amx: bf16 on AMX tiles (xb row-major, zero rows up to whole passes) */
     void *act; int64_t ld_act;     /* SwiGLU output (M rows of N / 2, the weight's type), or NULL: then y
                                     * is a scratch [gate; up] and act gets silu(gate) * up */
+    const void *src; int64_t ldsrc, K, padded_rows;  /* the caller's input, x and xb made from it */
 } gemm_args;
 
 /* One output's epilogue: bias and the fused residual add, then the store. bf16 rounds the linear's
@@ -267,10 +268,16 @@ INLINE void tile_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr
     VEC acc[MR_MAX][PANEL_VECS];
     for (int m = 0; m < mr; m++)
         for (int v = 0; v < PANEL_VECS; v++) acc[m][v] = VZERO();
+    /* The next fetch of `ahead` is at iteration due: a compare per iteration, where k % every took
+     * an integer division in the loop (~9% of a 64-row call's samples). */
+    int64_t due = 0, fetched = 0;
     for (int64_t k = 0; k < a->Kp; k++) {
         const float *row = wp + k * PANEL_COLS;
         if (prefetch) PREFETCH_PANEL(row);
-        if (ahead && k % every == 0 && k / every < share) _mm_prefetch(ahead + k / every * 64, _MM_HINT_T1);
+        if (ahead && k == due && fetched < share) {
+            _mm_prefetch(ahead + fetched++ * 64, _MM_HINT_T1);
+            due += every;
+        }
         VEC w[PANEL_VECS];
         for (int v = 0; v < PANEL_VECS; v++) {
             w[v] = VLOAD(row + v * VLEN);
@@ -291,11 +298,14 @@ INLINE void tile_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int m
     VEC acc[MR_MAX][PANEL_VECS];
     for (int m = 0; m < mr; m++)
         for (int v = 0; v < PANEL_VECS; v++) acc[m][v] = VZERO();
+    int64_t due = 0, fetched = 0; /* as in tile_f32, in pairs of k */
     for (int64_t k = 0; k < a->Kp; k += 2) {
         const uint16_t *row = wp + k * PANEL_COLS; /* PANEL_COLS pairs */
         if (prefetch) PREFETCH_PANEL(row);
-        if (ahead && k / 2 % every == 0 && k / 2 / every < share)
-            _mm_prefetch(ahead + k / 2 / every * 64, _MM_HINT_T1);
+        if (ahead && k / 2 == due && fetched < share) {
+            _mm_prefetch(ahead + fetched++ * 64, _MM_HINT_T1);
+            due += every;
+        }
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
         __m512bh w[PANEL_VECS];
         for (int v = 0; v < PANEL_VECS; v++) {
@@ -601,6 +611,63 @@ static void take_chunks(const gemm_args *a, int64_t *counter, int64_t chunks, in
 #endif
 }
 
+/* Part `part` of `parts` of the input copies a->x and a->xb (zero-padded to Kp; blocked or AMX-padded
+ * as a says), made by the threads of the call's region: made by one thread before it, the copy
+ * left the other idle (at 64 rows and K 2048, 131K strided floats a call). Row blocks (blocked)
+ * or rows are dealt out round robin. */
+static void copy_input(const gemm_args *a, int64_t part, int64_t parts) {
+    const int64_t M = a->M, K = a->K, Kp = a->Kp, ldx = a->ldsrc;
+    const void *x = a->src;
+    float *xf = (float *)a->x;
+    uint16_t *xb = (uint16_t *)a->xb;
+    const int bf16 = a->bf16, x_blocked = a->x_blocked;
+    if (a->amx && part == 0) memset(xb + M * Kp, 0, (size_t)((a->padded_rows - M) * Kp) * sizeof(uint16_t));
+    const int64_t mr = x_blocked ? block_rows(M, MR_MAX) : 1;
+    int64_t b = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += mr, b++) {
+        if (b % parts != part) continue;
+        const int64_t rows = M - m0 < mr ? M - m0 : mr;
+        if (x_blocked && bf16)
+            for (int64_t k = 0; k < Kp; k += 2)
+                for (int64_t m = 0; m < rows; m++)
+                    for (int64_t h = 0; h < 2; h++) {
+                        const uint16_t *row = (const uint16_t *)x + (m0 + m) * ldx;
+                        xb[m0 * Kp + k * rows + 2 * m + h] = k + h < K ? row[k + h] : 0;
+                    }
+        if (x_blocked && !bf16) {
+            const float *src = (const float *)x + m0 * ldx;
+            float *out = xf + m0 * Kp;
+            int64_t k = 0;
+#ifdef __AVX512F__
+            /* A column of the block per k, gathered: the scalar walk down the rows took ~0.5 ns a float,
+             * ~70 us of a 64-row call at K 2048. */
+            if (rows <= 16 && ldx < INT32_MAX / 16) {
+                const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
+                const __m512i offsets = _mm512_mullo_epi32(
+                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                    _mm512_set1_epi32((int)ldx));
+                for (; k < K; k++)
+                    _mm512_mask_storeu_ps(out + k * rows, lanes,
+                                          _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, offsets, src + k, 4));
+            }
+#endif
+            for (; k < Kp; k++)
+                for (int64_t m = 0; m < rows; m++) out[k * rows + m] = k < K ? src[m * ldx + k] : 0.0f;
+            continue;
+        }
+        for (int64_t m = m0; m < m0 + rows; m++)
+            for (int64_t k = 0; k < Kp; k++) {
+                if (!bf16) {
+                    xf[m * Kp + k] = k < K ? ((const float *)x)[m * ldx + k] : 0.0f;
+                    continue;
+                }
+                const uint16_t h = k < K ? ((const uint16_t *)x)[m * ldx + k] : 0;
+                if (!x_blocked) xb[m * Kp + k] = h;
+                xf[m * Kp + k] = bf16_to_float(h);
+            }
+    }
+}
+
 static int run(gemm_args *a, int threads) {
     /* With SwiGLU the work is split over the gate panels; each chunk also does the matching up ones. */
     const int64_t half = a->act ? a->N / 2 : 0;
@@ -613,9 +680,14 @@ static int run(gemm_args *a, int threads) {
     int64_t counter = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
-    take_chunks(a, &counter, chunks, panels, half);
+    {
+        copy_input(a, omp_get_thread_num(), omp_get_num_threads());
+#pragma omp barrier
+        take_chunks(a, &counter, chunks, panels, half);
+    }
 #else
     (void)threads;
+    copy_input(a, 0, 1);
     take_chunks(a, &counter, chunks, panels, half);
 #endif
     return 0;
@@ -654,40 +726,8 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
     }
     if (act) y = scratch;
     const int x_blocked = X_BLOCKED && (!bf16 || XB_BLOCKED) && M > MR_MAX && !amx;
-    if (amx) memset(xb + M * Kp, 0, (size_t)((padded_rows - M) * Kp) * sizeof(uint16_t));
-    if (x_blocked && bf16) {
-        const int64_t mr = block_rows(M, MR_MAX);
-        for (int64_t m0 = 0; m0 < M; m0 += mr) {
-            const int64_t rows = M - m0 < mr ? M - m0 : mr;
-            for (int64_t k = 0; k < Kp; k += 2)
-                for (int64_t m = 0; m < rows; m++)
-                    for (int64_t h = 0; h < 2; h++) {
-                        const uint16_t *row = (const uint16_t *)x + (m0 + m) * ldx;
-                        xb[m0 * Kp + k * rows + 2 * m + h] = k + h < K ? row[k + h] : 0;
-                    }
-        }
-    }
-    if (x_blocked && !bf16) {
-        const int64_t mr = block_rows(M, MR_MAX);
-        for (int64_t m0 = 0; m0 < M; m0 += mr) {
-            const int64_t rows = M - m0 < mr ? M - m0 : mr;
-            for (int64_t k = 0; k < Kp; k++)
-                for (int64_t m = 0; m < rows; m++)
-                    xf[m0 * Kp + k * rows + m] = k < K ? ((const float *)x)[(m0 + m) * ldx + k] : 0.0f;
-        }
-    }
-    for (int64_t m = 0; m < M && !(x_blocked && !bf16); m++) {
-        for (int64_t k = 0; k < Kp; k++) {
-            if (!bf16) {
-                xf[m * Kp + k] = k < K ? ((const float *)x)[m * ldx + k] : 0.0f;
-                continue;
-            }
-            const uint16_t h = k < K ? ((const uint16_t *)x)[m * ldx + k] : 0;
-            if (!x_blocked) xb[m * Kp + k] = h;
-            xf[m * Kp + k] = bf16_to_float(h);
-        }
-    }
-    gemm_args a = {xf, xb, w, bias, add, ld_add, y, ldy, M, N, Kp, bf16, x_blocked, amx, act, ld_act};
+    gemm_args a = {xf, xb, w, bias, add, ld_add, y, ldy, M, N, Kp, bf16, x_blocked, amx, act, ld_act,
+                   x, ldx, K, padded_rows};
     int rc = run(&a, threads);
     free(xf);
     free(xb);
