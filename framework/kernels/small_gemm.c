@@ -57,7 +57,8 @@
 #ifndef AMX_MAX_ROWS
 #define AMX_MAX_ROWS 64 /* bf16 rows a call alone brings on AMX (small_gemm_max_rows) */
 #endif
-#define MAX_ROWS_ANY 64 /* the most rows a call may bring on any build (small_gemm.py routes more to oneDNN) */
+#define MAX_ROWS_ANY 128 /* the most rows a call may bring on any build (small_gemm.py routes more to oneDNN) */
+#define FUSED_MAX_ROWS 64 /* the most rows of a fused decode step (small_gemm_fused_max_rows) */
 /* Software prefetch PREFETCH_BYTES ahead of the weight stream, into L2 (the T1 hint), by the first
  * row block over each panel (later blocks find the panel in cache). With the hardware prefetchers
  * alone the stream fell short of the memory's rate: on the Zen 4 host the one-row GEMV chain went
@@ -768,7 +769,10 @@ int small_gemm_max_rows(int bf16) {
     /* fp32 too where the kernel has AMX tiles (an Intel core, Sapphire Rapids or later): there
      * oneDNN's fp32 GEMM overtakes the kernel later than on the Zen 4 the 32 below was measured on.
      * Sapphire Rapids host, this kernel / oneDNN, cold weights: llama-120m's 48 decode GEMMs 0.78x
-     * at 32 and 48 rows, 0.87x at 64; its 32000-column LM head 0.78x at 48 rows, 0.86x at 64. */
+     * at 32 and 48 rows, 0.87x at 64; its 32000-column LM head 0.78x at 48 rows, 0.86x at 64. Past
+     * 64 rows (a prompt of up to 128 tokens), after the k loop lost its division and the input copy
+     * its serial pass, 12 layers' GEMMs against the module path's oneDNN calls (SiLU and product as
+     * torch ops): 0.84x at 96 rows, 0.94x at 128, 1.03x at 192, 1.10x at 256. */
     if (amx_permitted()) return bf16 ? AMX_MAX_ROWS : MAX_ROWS_ANY;
     return bf16 ? 24 : 32;
 #else
@@ -788,8 +792,8 @@ int small_gemm_max_rows(int bf16) {
  * 0.58x, 4 rows 0.66x, 16 rows 0.72x, 32 rows 0.76x, 64 rows 0.84x. */
 int small_gemm_fused_max_rows(int bf16) {
 #if defined(__AVX512F__) && defined(SMALL_GEMM_VECTOR)
-    if (bf16 && amx_permitted()) return MAX_ROWS_ANY;
-    return bf16 ? 48 : 64;
+    if (bf16 && amx_permitted()) return FUSED_MAX_ROWS;
+    return bf16 ? 48 : FUSED_MAX_ROWS;
 #else
     return small_gemm_max_rows(bf16);
 #endif

@@ -36,7 +36,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 #: The most rows the kernel takes on any build (``MAX_ROWS_ANY`` in the C); the build for this CPU
 #: takes fewer (:func:`max_rows`): above its limit oneDNN's blocked GEMM measured faster.
-MAX_ROWS = 64
+MAX_ROWS = 128
 
 
 @lru_cache(maxsize=1)
@@ -105,9 +105,9 @@ def amx_available() -> bool:
 @lru_cache(maxsize=2)
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
-    of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16, 64 in both where the
-    kernel has AMX tiles, 4 in bf16 where only oneDNN has AMX: :data:`AMX_BF16_MAX_ROWS`); 0 when the
-    kernel is unavailable."""
+    of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16; where the kernel has
+    AMX tiles (an Intel core) 128 in fp32 and 64 in bf16; 4 in bf16 where only oneDNN has AMX:
+    :data:`AMX_BF16_MAX_ROWS`); 0 when the kernel is unavailable."""
     return _row_limit("small_gemm_max_rows", dtype, AMX_BF16_MAX_ROWS)
 
 

@@ -121,7 +121,7 @@ def test_rows_past_the_standalone_limit_are_fused(engine_factory, models, dtype,
     rows = small_gemm.fused_max_rows(dtype)
     if rows <= small_gemm.max_rows(dtype):
         pytest.skip("this CPU's build fuses no more rows than a linear alone takes (AVX2; a kernel with "
-                    "AMX tiles, where both limits are 64 in fp32 and bf16)")
+                    "AMX tiles, where a linear alone takes 128 fp32 rows and both limits are 64 in bf16)")
     eng = engine_factory(models("llama"), f"model.dtype={str(dtype).removeprefix('torch.')}",
                          "kv_cache.max_total_tokens=16384")
     batch, rids = decode_batch(eng, rows, new_tokens=16)

@@ -75,7 +75,7 @@ def _assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expe
     assert torch.all(err <= bound.view_as(err)), float((err / bound.view_as(err)).max())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 30, 37, 61, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 30, 37, 61, 64, 97, 128])
 @pytest.mark.parametrize("n_out,k_in", [(40, 24), (130, 768), (257, 1001), (3, 8), (64, 5)])
 def test_matches_float64_reference(rows: int, n_out: int, k_in: int, kernel_variant: str) -> None:
     """Row counts within one tile and over several row blocks (2 rows a tile on AVX2, up to 12 on
@@ -135,7 +135,7 @@ def _bf16_bounds(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, add: torc
     return lo, hi
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 17, 24, 37, 48, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 17, 24, 37, 48, 64, 97, 128])
 @pytest.mark.parametrize("n_out,k_in", [(40, 24), (257, 1001), (3, 8), (64, 5), (96, 40), (96, 64), (130, 768)])
 @pytest.mark.parametrize("with_add", [False, True])
 def test_bf16_within_fp32_accumulation_of_the_exact_result(rows: int, n_out: int, k_in: int, with_add: bool,
@@ -157,7 +157,7 @@ def test_bf16_within_fp32_accumulation_of_the_exact_result(rows: int, n_out: int
     assert torch.all((lo.float() <= got.float()) & (got.float() <= hi.float()))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 13, 37])
+@pytest.mark.parametrize("rows", [1, 3, 4, 13, 37, 128])
 @pytest.mark.parametrize("half,k_in", [(64, 96), (224, 130), (32, 5)])
 def test_swiglu_is_silu_of_gate_times_up(rows: int, half: int, k_in: int, kernel_variant: str) -> None:
     """``swiglu=True`` on a merged ``[gate; up]`` weight: fp32 within float rounding of SiLU(gate) *
@@ -197,11 +197,11 @@ def test_swiglu_steps_aside_where_it_does_not_apply() -> None:
 def test_row_limit_per_dtype() -> None:
     """The build's row limits: 8 on AVX2 (or plain C), and with AVX-512 32 in fp32 and 24 in bf16
     (oneDNN's bf16 GEMM out-computes the kernel sooner once the weight stream no longer bounds it);
-    64 in both where the kernel itself runs on AMX tiles (an Intel core, on which oneDNN's fp32
-    GEMM also overtakes it later), 4 in bf16 where only oneDNN has AMX."""
+    where the kernel itself runs on AMX tiles (an Intel core, on which oneDNN's fp32 GEMM also
+    overtakes it later) 128 in fp32 and 64 in bf16, 4 in bf16 where only oneDNN has AMX."""
     fp32, bf16 = small_gemm.max_rows(torch.float32), small_gemm.max_rows(torch.bfloat16)
     if small_gemm.kernel_uses_amx():
-        avx512 = (64, 64)
+        avx512 = (128, 64)
     else:
         avx512 = (32, small_gemm.AMX_BF16_MAX_ROWS if small_gemm.amx_available() else 24)
     assert (fp32, bf16) == (avx512 if "avx512f" in _cpu_flags() else (8, 8))
