@@ -32,7 +32,9 @@ from tests.server.conftest import (
 PROMPTS = ["The quick brown fox", "Once upon a time", "To be or not", "Hello there, general", "A B C D E F",
            "In the beginning"]
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-LONG = {"max_new_tokens": 900, "temperature": 0.0, "ignore_eos": True}
+# The fault plugin's slow_steps makes each step of these streams last >= 10 ms, so 900 tokens cannot
+# finish before the test aborts them, however fast the host runs the tiny model.
+LONG = {"max_new_tokens": 900, "temperature": 0.0, "ignore_eos": True, "custom_params": {"sleep_s": 0.01}}
 
 
 def _gone(pid: int, timeout: float = 30.0) -> bool:
@@ -91,6 +93,7 @@ def _wait_until(predicate, what: str, timeout: float = 60.0) -> None:
 def dp_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(tmp_path_factory.mktemp("dp2"), [
         *engine_overrides(tiny_model), "parallel.dp_size=2", "parallel.load_balance_method=shortest_queue",
+        "server.enable_custom_logit_processor=true",
     ], admin_key=ADMIN_KEY)
     try:
         yield server
@@ -160,7 +163,7 @@ def test_flush_abort_and_metrics_cover_every_replica(dp_server: Server) -> None:
     events: list[list] = [[], []]
 
     def stream(i: int) -> None:
-        body = {"text": PROMPTS[i], "sampling_params": LONG, "stream": True}
+        body = {"text": PROMPTS[i], "sampling_params": LONG, "stream": True, "custom_logit_processor": "slow_steps"}
         with httpx.Client(base_url=dp_server.url, timeout=120) as c, c.stream("POST", "/generate", json=body) as r:
             events[i].extend(sse_events(r))
 
@@ -230,7 +233,7 @@ def test_weight_update_reaches_every_replica(dp_server: Server, tiny_model: Path
 def test_a_dead_replica_takes_the_server_down(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     server = start_server(tmp_path_factory.mktemp("dp-doomed"), [
         f"model.path={tiny_model}", "kv_cache.max_total_tokens=2048", "parallel.dp_size=2",
-        "parallel.load_balance_method=round_robin",
+        "parallel.load_balance_method=round_robin", "server.enable_custom_logit_processor=true",
     ])
     try:
         pids = [r["scheduler_pid"] for r in httpx.get(f"{server.url}/server_info", timeout=30).json()["dp"]]
@@ -244,7 +247,7 @@ def test_a_dead_replica_takes_the_server_down(tiny_model: Path, tmp_path_factory
         events: list[list] = [[], []]
 
         def stream(i: int) -> None:
-            body = {"text": PROMPTS[i], "sampling_params": LONG, "stream": True}
+            body = {"text": PROMPTS[i], "sampling_params": LONG, "stream": True, "custom_logit_processor": "slow_steps"}
             with httpx.Client(base_url=server.url, timeout=120) as c, c.stream("POST", "/generate", json=body) as r:
                 events[i].extend(sse_events(r))
 
