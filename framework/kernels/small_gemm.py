@@ -29,8 +29,10 @@ from framework.kernels.build import load_optional
 SOURCE = Path(__file__).with_name("small_gemm.c")
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it GCC keeps
 # exp_nonpositive's floorf scalar (so the SwiGLU epilogue's SiLU would not vectorise); values are
-# the same either way (unlike -ffast-math, it permits no reassociation).
-CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fPIC", "-shared"]
+# the same either way (unlike -ffast-math, it permits no reassociation). -mprefer-vector-width=512:
+# GCC vectorises those loops 256 bits wide on Intel cores otherwise; the SwiGLU call at 64-256 rows
+# measured 5% faster with 512 (Sapphire Rapids host); a no-op without AVX-512.
+CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-mprefer-vector-width=512", "-fPIC", "-shared"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
