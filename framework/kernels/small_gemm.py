@@ -37,7 +37,8 @@ CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-mprefer-vector-width=5
 _DTYPES = (torch.float32, torch.bfloat16)
 
 #: The most rows the kernel takes on any build (``MAX_ROWS_ANY`` in the C); the build for this CPU
-#: takes fewer (:func:`max_rows`): above its limit oneDNN's blocked GEMM measured faster.
+#: takes at most that (:func:`max_rows`: all of it in fp32 where the kernel has AMX tiles, fewer
+#: elsewhere): above its limit oneDNN's blocked GEMM measured faster.
 MAX_ROWS = 128
 
 
