@@ -35,7 +35,7 @@ def guarded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         f"model.path={tiny_model}", "kv_cache.max_total_tokens=4096",
         f"server.header_read_timeout_s={HEADER_TIMEOUT_S}", f"server.body_read_timeout_s={BODY_TIMEOUT_S}",
         f"server.keep_alive_timeout_s={KEEP_ALIVE_S}", f"server.max_connections={MAX_CONNECTIONS}",
-        "scheduler.max_running_requests=2",
+        "scheduler.max_running_requests=2", "server.enable_custom_logit_processor=true",
     ], config_file=config, env={"PLUGSERVE_API_KEY": ENV_API_KEY})
     server.api_key, server.admin_key = ENV_API_KEY, FILE_ADMIN_KEY
     yield server
@@ -146,24 +146,31 @@ def test_a_big_batch_does_not_hold_back_a_later_request(guarded: Server) -> None
     done: dict[str, float] = {}
     headers = guarded.headers()
     tokens = {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0}
+    # The fault plugin's slow_steps keeps each of the batch's steps >= 10 ms, so its 8 rounds last
+    # >= 3.8 s: on a fast host the tiny model would otherwise finish all 16 before the poll below
+    # sees them queued (CI saw the batch end first and the poll run out its deadline).
+    slow = {**tokens, "custom_params": {"sleep_s": 0.01}}
 
     def batch() -> None:
         r = httpx.post(f"{guarded.url}/generate", headers=headers, timeout=120,
-                       json={"text": [f"batch prompt {i}" for i in range(16)], "sampling_params": tokens})
+                       json={"text": [f"batch prompt {i}" for i in range(16)], "sampling_params": slow,
+                             "custom_logit_processor": "slow_steps"})
         assert r.status_code == 200, r.text
         done["batch"] = time.monotonic()
 
     thread = threading.Thread(target=batch)
     thread.start()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the batch is queued and running
+    queued = False
+    while not queued and time.monotonic() < deadline:  # the batch is queued and running
         load = httpx.get(f"{guarded.url}/get_load", headers=headers, timeout=30).json()[0]
-        if load["num_waiting"] >= 8:
-            break
-        time.sleep(0.02)
+        queued = load["num_waiting"] >= 8
+        if not queued:
+            time.sleep(0.02)
     single = httpx.post(f"{guarded.url}/generate", headers=headers, timeout=120,
                         json={"text": "a later client", "sampling_params": tokens})
     done["single"] = time.monotonic()
     thread.join(120)
+    assert queued, f"the batch was never seen queued (last load: {load})"
     assert single.status_code == 200
     assert done["single"] < done["batch"], "the later request waited for the whole batch"
