@@ -39,7 +39,8 @@ def _reference(q, k, v, table, rows, lens, scale):
 
 
 @pytest.mark.parametrize("bs", [1, 3, 16, 40])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128), (8, 1, 64), (6, 3, 40)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(4, 4, 64), (8, 2, 128), (8, 1, 64), (6, 3, 40), (6, 2, 48)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_sdpa(bs: int, heads: int, kv_heads: int, head_dim: int, threads: int,
