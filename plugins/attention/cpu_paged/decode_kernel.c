@@ -195,26 +195,25 @@ static inline __attribute__((always_inline)) void load_pairs(const void *row, in
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
+/* Each pair reg[i], reg[i+1] (i even) replaced by two permutations of its 32 lanes. */
+static inline __attribute__((always_inline)) void permute_pairs(__m512 *reg, int nv, __m512i first, __m512i second) {
+    for (int i = 0; i < nv; i += 2) {
+        const __m512 a = reg[i], b = reg[i + 1];
+        reg[i] = _mm512_permutex2var_ps(a, first, b);
+        reg[i + 1] = _mm512_permutex2var_ps(a, second, b);
+    }
+}
+
 /* reg[2i], reg[2i+1] (elements 32i .. 32i+31 in order) -> their even and their odd elements. */
 static inline __attribute__((always_inline)) void split_pairs(__m512 *reg, int nv) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    for (int i = 0; i < nv; i += 2) {
-        const __m512 lo = reg[i], hi = reg[i + 1];
-        reg[i] = _mm512_permutex2var_ps(lo, even, hi);
-        reg[i + 1] = _mm512_permutex2var_ps(lo, odd, hi);
-    }
+    permute_pairs(reg, nv, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+                  _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
 }
 
 /* The inverse of split_pairs. */
 static inline __attribute__((always_inline)) void join_pairs(__m512 *reg, int nv) {
-    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    for (int i = 0; i < nv; i += 2) {
-        const __m512 even = reg[i], odd = reg[i + 1];
-        reg[i] = _mm512_permutex2var_ps(even, lo_idx, odd);
-        reg[i + 1] = _mm512_permutex2var_ps(even, hi_idx, odd);
-    }
+    permute_pairs(reg, nv, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+                  _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
 }
 
 /* q . row over a head's nv vectors of elements (pass 1), in lanes: summed across them later. */
