@@ -288,9 +288,10 @@ static inline __attribute__((always_inline)) void block_heads(const job_t *j, co
                 else
                     scores[qi * len + t] = _mm512_reduce_add_ps(dot_lanes(reg, row, nv, bf16, pairs)) * j->scale;
             }
-            if (pairs) join_pairs(reg, nv);
-            if (values)
+            if (values) { /* the output accumulators back in element order (the query needs no undoing) */
+                if (pairs) join_pairs(reg, nv);
                 for (int e = 0; e < nv; ++e) _mm512_storeu_ps(ob + qi * d + 16 * e, reg[e]);
+            }
         }
 }
 
