@@ -13,6 +13,7 @@ it holds back any tail that could still become a stop string.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -34,6 +35,29 @@ its bytes so far, and every visible token carries at least one byte."""
 
 RELEASE_SPLIT_TRIES = 8
 """Split points a bounded release tries (keeping 3, 4, ... tokens) before it emits everything."""
+
+
+def backend_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
+    """The Rust backend's ``decode`` of a Hugging Face fast tokenizer, when it returns exactly what
+    ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`` does;
+    None for any other tokenizer (a slow one, or a class that overrides how it decodes).
+
+    Why: the detokenizer decodes two short windows per token, and the Python wrapper around the
+    backend (argument conversion, keyword handling) costs several times the decode itself; in a
+    server that is CPU taken from the model's threads on every token of every stream.
+    """
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (not isinstance(tokenizer, PreTrainedTokenizerFast) or backend is None
+            or cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not PreTrainedTokenizerFast._decode):
+        return None
+    decode = backend.decode
+    return lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -65,6 +89,7 @@ class IncrementalDetokenizer:
             "spaces_between_special_tokens": spaces_between_special_tokens,
             "clean_up_tokenization_spaces": False,
         }
+        self._decode_ids = backend_decoder(tokenizer, skip_special_tokens) or self._decode_hf
         # The window: already-emitted context tokens [0:_read_offset], then held-back ones.
         # Older ids are dropped as we go, so only this window is ever decoded.
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
@@ -76,7 +101,10 @@ class IncrementalDetokenizer:
         """Per token id: whether it decodes to nothing on its own (cached, as ids repeat)."""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, **self._decode_kwargs) if ids else ""
+        return self._decode_ids(ids) if ids else ""
+
+    def _decode_hf(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self._decode_kwargs)
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new token ids; return the text they complete (possibly ``""``)."""

@@ -118,9 +118,13 @@ def finite(value: float | None) -> float | None:
     return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
+_SSE_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+"""One encoder for every event: ``json.dumps`` with non-default options builds a new one per call."""
+
+
 def sse(data: Any) -> str:
     """One server-sent event carrying ``data`` as JSON."""
-    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"
+    return f"data: {_SSE_JSON.encode(data)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -71,6 +71,13 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     """Stop the scheduler loop and exit."""
 
 
+class Delivered(msgspec.Struct, tag="delivered"):
+    """The answer to an :class:`Outputs` message that asked for one (``ack_id`` > 0): every
+    first token it carried has been written to its client (or its request is gone)."""
+
+    ack_id: int
+
+
 ROLLOUT_KINDS = ("pause_generation", "continue_generation", "release_memory_occupation",
                  "resume_memory_occupation", "update_weights_from_disk", "update_weights_from_tensor",
                  "init_weights_update_group", "update_weights_from_distributed",
@@ -79,7 +86,7 @@ ROLLOUT_KINDS = ("pause_generation", "continue_generation", "release_memory_occu
 
 CONTROL_KINDS = ("flush_cache", "get_load", "server_info", *ROLLOUT_KINDS)
 
-ToScheduler = GenerateBatch | Abort | Control | Shutdown
+ToScheduler = GenerateBatch | Abort | Control | Shutdown | Delivered
 
 # -- scheduler process -> HTTP process ----------------------------------------------------------
 
@@ -97,10 +104,15 @@ class StartupFailed(msgspec.Struct, tag="startup_failed"):
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
-    """Output deltas of one scheduler step, with the scheduler's load after it (for /metrics)."""
+    """Output deltas of one scheduler step."""
 
     outputs: list[RequestOutput]
-    load: dict[str, Any]
+    load: dict[str, Any] | None = None
+    """The scheduler's load after the step; sent at most every ``LOAD_REPORT_INTERVAL_S`` and
+    with the last step before it goes idle (/metrics asks for a fresh one when it is read)."""
+    ack_id: int = 0
+    """> 0: some output is a request's first token and the scheduler waits (bounded by
+    ``server.first_token_wait_ms``) for a :class:`Delivered` with this id before its next step."""
 
 
 class Rejected(msgspec.Struct, tag="rejected"):

@@ -8,6 +8,7 @@ their :class:`Event` s arrive on.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,7 @@ class RequestGroup:
         self.queue: asyncio.Queue[Event | APIError] = asyncio.Queue()
         self.error: APIError | None = None
         self.closed = False
+        self._on_drained: list[Callable[[], None]] = []
 
     @property
     def finished(self) -> bool:
@@ -76,9 +78,27 @@ class RequestGroup:
         if self.error is None:
             self.error = error
             self.queue.put_nowait(error)
+        self.end_waits()
+
+    def when_drained(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the response has consumed every event queued so far and asks
+        for the next one (a stream asks only after it wrote the previous chunks to the client),
+        or when the group ends (:meth:`end_waits`), whichever is first."""
+        if self.closed or self.error is not None:
+            callback()
+        else:
+            self._on_drained.append(callback)
+
+    def end_waits(self) -> None:
+        """Run the :meth:`when_drained` callbacks now: the group ended, nothing more will be sent."""
+        callbacks, self._on_drained = self._on_drained, []
+        for callback in callbacks:
+            callback()
 
     async def next(self) -> Event:
         """The next event; raises the group's :class:`APIError` if it failed."""
+        if self._on_drained and self.queue.empty():
+            self.end_waits()
         item = await self.queue.get()
         if isinstance(item, APIError):
             self.queue.put_nowait(item)  # every later call fails the same way

@@ -13,11 +13,13 @@ were in flight (running or being prefilled) while the waiting ones stay queued.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -26,6 +28,11 @@ import zmq
 from framework.server import ipc
 
 logger = logging.getLogger("plugserve.scheduler_process")
+
+LOAD_REPORT_INTERVAL_S = 0.1
+"""How often a step's :class:`~framework.server.ipc.Outputs` carries the scheduler's load (the
+/metrics gauges' fallback when a fresh report does not come in time); building and decoding it
+every step is work on the path of every token."""
 
 PARENT_CHECK_INTERVAL_MS = 1000
 """While idle, the loop wakes this often to check that the HTTP process is still alive, so the
@@ -36,8 +43,15 @@ class SchedulerLoop:
     """Owns the scheduler and the two sockets; :meth:`run` returns when told to stop."""
 
     def __init__(self, scheduler: Any, runner: Any, eos_token_ids: list[int], recv: zmq.Socket,
-                 send: zmq.Socket, parent_pid: int, dp_rank: int = 0) -> None:
+                 send: zmq.Socket, parent_pid: int, dp_rank: int = 0, first_token_wait_s: float = 0.0) -> None:
         self.scheduler = scheduler
+        self.first_token_wait_s = first_token_wait_s
+        """``server.first_token_wait_ms``: the longest wait for a :class:`~framework.server.ipc.Delivered`."""
+        self._ack_ids = itertools.count(1)
+        self._load_sent_at = float("-inf")
+        self.first_token_waits = {"delivered": 0, "timed_out": 0, "late": 0}
+        """How the waits for a Delivered ended (in /server_info): in time, past the bound, and
+        how many Delivered came after their wait had ended."""
         self.dp_rank = dp_rank
         """This replica's data-parallel rank (reported in every load, for /get_load)."""
         self.runner = runner
@@ -61,28 +75,78 @@ class SchedulerLoop:
             if self.scheduler.has_work():
                 outputs = self._step()
                 if outputs:
-                    self.send.send(ipc.encode(ipc.Outputs(outputs=outputs, load=self.load())))
+                    self._send_outputs(outputs)
             if os.getppid() != self.parent_pid:
                 logger.warning("the HTTP process is gone; the scheduler exits")
                 break
+
+    def _send_outputs(self, outputs: list) -> None:
+        """Send a step's outputs; if one is a first token and another step is due, wait (bounded)
+        until the HTTP process has written it.
+
+        Why: on a machine with as many compute threads as cores, the next step's threads take
+        every core the moment it starts, and the token still has to pass the ZMQ threads and the
+        HTTP process's event loop, each waiting for a core: that added ~4 ms to TTFT on 2 cores.
+        While the scheduler waits here its main thread sleeps and the HTTP process runs at once.
+        """
+        more = self.scheduler.has_work()
+        ack_id = 0
+        if more and self.first_token_wait_s > 0 and any(_is_first_token(o) for o in outputs):
+            ack_id = next(self._ack_ids)
+        load = None
+        now = time.monotonic()
+        if not more or now - self._load_sent_at >= LOAD_REPORT_INTERVAL_S:
+            load, self._load_sent_at = self.load(), now
+        self.send.send(ipc.encode(ipc.Outputs(outputs=outputs, load=load, ack_id=ack_id)))
+        if ack_id:
+            self._wait_delivered(ack_id)
+
+    def _wait_delivered(self, ack_id: int) -> None:
+        """Handle messages until the :class:`~framework.server.ipc.Delivered` for ``ack_id``
+        arrives or ``first_token_wait_s`` has passed (a late one is ignored by :meth:`_handle`)."""
+        deadline = time.monotonic() + self.first_token_wait_s
+        while not self.stopping:
+            remaining_ms = (deadline - time.monotonic()) * 1e3
+            if remaining_ms <= 0 or not self.recv.poll(remaining_ms):
+                self.first_token_waits["timed_out"] += 1
+                return
+            try:
+                data = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            msg = self._decode(data)
+            if isinstance(msg, ipc.Delivered) and msg.ack_id == ack_id:
+                self.first_token_waits["delivered"] += 1
+                return
+            if msg is not None:
+                self._handle_message(msg)
 
     def _receive(self, block: bool) -> None:
         """Handle every message already queued; while idle, first wait for one."""
         if block and not self.recv.poll(PARENT_CHECK_INTERVAL_MS):
             return
-        while not self.stopping:
+        # Asking first: a receive from an empty socket raises, and this runs between every two steps.
+        while not self.stopping and self.recv.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 data = self.recv.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._handle(data)
 
-    def _handle(self, data: bytes) -> None:
+    @staticmethod
+    def _decode(data: bytes) -> ipc.ToScheduler | None:
         try:
-            msg = ipc.decode_to_scheduler(data)
+            return ipc.decode_to_scheduler(data)
         except Exception as exc:  # a malformed message is a bug in the HTTP process, not fatal
             logger.error("dropping an undecodable message: %s", exc)
-            return
+            return None
+
+    def _handle(self, data: bytes) -> None:
+        msg = self._decode(data)
+        if msg is not None:
+            self._handle_message(msg)
+
+    def _handle_message(self, msg: ipc.ToScheduler) -> None:
         if isinstance(msg, ipc.GenerateBatch):
             self._add(msg)
         elif isinstance(msg, ipc.Abort):
@@ -98,6 +162,8 @@ class SchedulerLoop:
                 self._control(msg)
         elif isinstance(msg, ipc.Shutdown):
             self.stopping = True
+        elif isinstance(msg, ipc.Delivered):  # its wait timed out: nothing to do but count it
+            self.first_token_waits["late"] += 1
 
     def _add(self, batch: ipc.GenerateBatch) -> None:
         from framework.multimodal.inputs import MultimodalInputs
@@ -178,6 +244,7 @@ class SchedulerLoop:
                 "scheduler_pid": os.getpid(),
                 "tp_ranks": self._tp_ranks(),
                 "gc_frozen_objects": gc.get_freeze_count(),
+                "first_token_waits": dict(self.first_token_waits),
             }
         raise ValueError(f"unknown control call {kind!r}; known: {', '.join(ipc.CONTROL_KINDS)}")
 
@@ -226,6 +293,11 @@ class SchedulerLoop:
         load["prefix_cache_hit_rate"] = s.cache_hit_tokens / seen if seen else 0.0
         load["dp_rank"] = self.dp_rank
         return load
+
+
+def _is_first_token(out: Any) -> bool:
+    """The output carries the request's first generated token(s)."""
+    return bool(out.new_token_ids) and out.completion_tokens == len(out.new_token_ids)
 
 
 def _build(config_path: str) -> tuple[Any, Any, list[int], dict[str, Any]]:
@@ -278,7 +350,8 @@ def _serve(config_path: str, recv: zmq.Socket, send: zmq.Socket, parent_pid: int
     info["gc_frozen_objects"] = freeze_startup_objects("scheduler")
     send.send(ipc.encode(ipc.Ready(info={**info, "dp_rank": dp_rank})))
     try:
-        SchedulerLoop(scheduler, runner, eos, recv, send, parent_pid, dp_rank).run()
+        wait_s = scheduler.settings.server.first_token_wait_ms / 1e3
+        SchedulerLoop(scheduler, runner, eos, recv, send, parent_pid, dp_rank, first_token_wait_s=wait_s).run()
     finally:
         followers = getattr(scheduler, "followers", None)
         if followers is not None:  # tell the other tensor-parallel ranks to stop, and wait for them

@@ -64,7 +64,8 @@ class TokenizerManager:
         self._groups: dict[str, RequestGroup] = {}
         self._calls: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
         self._call_ids = itertools.count()
-        self._recv_tasks: list[asyncio.Task[None]] = []
+        self._readers: list[int] = []
+        """File descriptors of the PULL sockets registered with the event loop by :meth:`start`."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -91,12 +92,27 @@ class TokenizerManager:
                 raise SchedulerStartError(where + msg.message)
 
     def start(self) -> None:
+        """Deliver the scheduler's messages from now on: each PULL socket's file descriptor is
+        watched by the event loop, and its callback reads and dispatches every queued message.
+
+        Why not ``await pull.recv()`` in a task: that costs a future, an extra pass of the event
+        loop and pyzmq's poller bookkeeping per message, and a message arrives per step and
+        stream. On 2 cores every microsecond here is taken from the model's threads.
+        """
         loop = asyncio.get_running_loop()
-        self._recv_tasks = [loop.create_task(self._receive_loop(r)) for r in self.replicas]
+        for replica in self.replicas:
+            reader = zmq.Socket.shadow(replica.pull.underlying)  # same socket, blocking-style API
+            fd = reader.FD
+            loop.add_reader(fd, self._drain, replica, reader)
+            self._readers.append(fd)
+            # ZMQ's descriptor signals new activity only: read what came before the watch began.
+            loop.call_soon(self._drain, replica, reader)
 
     async def close(self) -> None:
-        for task in self._recv_tasks:
-            task.cancel()
+        loop = asyncio.get_running_loop()
+        for fd in self._readers:
+            loop.remove_reader(fd)
+        self._readers.clear()
         for replica in self.replicas:
             replica.push.close(linger=0)
             replica.pull.close(linger=0)
@@ -141,6 +157,7 @@ class TokenizerManager:
                     ended.setdefault(group.dp_rank, []).append(state.rid)
             group.fail(error)
             group.closed = True  # nothing is left for close_group to abort
+            group.end_waits()
         self._groups.clear()
         self._routes.clear()
         for replica in self.replicas:
@@ -243,8 +260,9 @@ class TokenizerManager:
     async def refresh_load(self) -> None:
         try:
             results = await self.control_all("get_load", LOAD_REFRESH_TIMEOUT_S)
-        except APIError:
-            return  # /metrics still renders, with the last known gauges
+        except APIError:  # /metrics still renders, with the last known gauges
+            self.refresh_gauges()
+            return
         for replica, (ok, load) in zip(self.replicas, results, strict=True):
             if ok:
                 replica.last_load = load
@@ -263,6 +281,7 @@ class TokenizerManager:
             raise APIError(503, f"the scheduler process is not running ({self.dead})", code="scheduler_dead")
 
     def _forget(self, group: RequestGroup) -> None:
+        group.end_waits()
         self._groups.pop(group.rid, None)
         for rid in group.rids:
             if self._routes.get(rid, (None,))[0] is group:
@@ -274,9 +293,17 @@ class TokenizerManager:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    async def _receive_loop(self, replica: Replica) -> None:
+    def _drain(self, replica: Replica, reader: zmq.Socket) -> None:
+        """Dispatch every message waiting on ``replica``'s PULL socket (until it would block: the
+        descriptor does not signal again for messages already queued)."""
         while True:
-            data = await replica.pull.recv()
+            try:
+                # Asking first spares the exception a receive from an empty socket raises.
+                if not reader.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                data = reader.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:  # closed under us at shutdown (or emptied: zmq.Again)
+                return
             try:
                 self._dispatch(ipc.decode_from_scheduler(data), replica)
             except Exception:  # one bad message must not stop the delivery of all others
@@ -284,10 +311,17 @@ class TokenizerManager:
 
     def _dispatch(self, msg: ipc.FromScheduler, replica: Replica) -> None:
         if isinstance(msg, ipc.Outputs):
-            replica.last_load = msg.load
-            self.refresh_gauges()
+            # The /metrics gauges are computed from this when they are read (refresh_load), not
+            # per message: a message arrives per step.
+            if msg.load is not None:
+                replica.last_load = msg.load
+            firsts: dict[str, RequestGroup] = {}
             for out in msg.outputs:
-                self._on_output(out, replica.dp_rank)
+                group = self._on_output(out, replica.dp_rank)
+                if group is not None:
+                    firsts[group.rid] = group
+            if msg.ack_id:
+                self._ack_when_delivered(replica, msg.ack_id, list(firsts.values()))
         elif isinstance(msg, ipc.Rejected):
             self._on_rejected(msg, replica.dp_rank)
         elif isinstance(msg, ipc.ControlReply):
@@ -295,10 +329,38 @@ class TokenizerManager:
             if fut is not None and not fut.done():
                 fut.set_result((msg.ok, msg.data))
 
-    def _on_output(self, out: Any, dp_rank: int) -> None:
+    def _ack_when_delivered(self, replica: Replica, ack_id: int, groups: list[RequestGroup]) -> None:
+        """Answer the scheduler's wait (``server.first_token_wait_ms``) once every group that got
+        its first token in this message has consumed it: a stream has written it to its client."""
+        left = [len(groups)]
+
+        def one_done() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self._send_soon(replica, ipc.Delivered(ack_id=ack_id))
+
+        if not groups:
+            self._send_soon(replica, ipc.Delivered(ack_id=ack_id))
+        for group in groups:
+            group.when_drained(one_done)
+
+    def _send_soon(self, replica: Replica, msg: ipc.ToScheduler) -> None:
+        """Send without awaiting (from a callback); a failure is logged, not left unobserved."""
+        if self.dead is not None:
+            return
+
+        def check(fut: asyncio.Future[Any]) -> None:
+            if not fut.cancelled() and fut.exception() is not None:
+                logger.warning("could not send %s to dp rank %s: %s", type(msg).__name__, replica.dp_rank,
+                               fut.exception())
+
+        replica.push.send(ipc.encode(msg)).add_done_callback(check)
+
+    def _on_output(self, out: Any, dp_rank: int) -> RequestGroup | None:
+        """Apply one output delta to its request; the group if this was the request's first token."""
         route = self._routes.get(out.rid)
         if route is None or route[0].dp_rank != dp_rank:
-            return  # an aborted request's last delta (its id may be in use again elsewhere), a rejected sibling
+            return None  # an aborted request's last delta (its id may be in use again elsewhere), a rejected sibling
         group, index = route
         state = group.states[index]
         had_first = state.first_token_at is not None
@@ -308,8 +370,9 @@ class TokenizerManager:
         except Exception as exc:  # a detokenizer bug fails its own request, which must not hang
             logger.exception("failed to apply the output of request %s", out.rid)
             group.fail(APIError(500, f"internal error while detokenizing: {type(exc).__name__}", type="server_error"))
-            return
-        if not had_first and state.first_token_at is not None:
+            return None
+        first = not had_first and state.first_token_at is not None
+        if first:
             self.metrics.first_token(state.first_token_at - state.created)
         if out.new_token_ids and state.last_token_at is not None:
             self.metrics.tokens(len(out.new_token_ids), previous_at, state.last_token_at)
@@ -321,6 +384,7 @@ class TokenizerManager:
         group.queue.put_nowait(Event(index, delta, state.finished))
         if group.finished:
             self._groups.pop(group.rid, None)
+        return group if first else None
 
     def _on_rejected(self, msg: ipc.Rejected, dp_rank: int) -> None:
         route = self._routes.get(msg.rids[0]) if msg.rids else None

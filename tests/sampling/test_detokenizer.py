@@ -14,6 +14,7 @@ from framework.sampling.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     StopStringMatcher,
+    backend_decoder,
     find_stop_string_in_tail,
 )
 
@@ -89,6 +90,28 @@ def test_incremental_equals_full_decode_for_any_ids(ids: list[int], chunks: list
     detok = IncrementalDetokenizer(TOKENIZER, skip_special_tokens=skip_special)
     got = "".join(_stream(detok, ids, chunks))
     assert got == TOKENIZER.decode(ids, skip_special_tokens=skip_special)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, VOCAB + 20), max_size=12), skip_special=st.booleans())
+def test_the_backend_decode_equals_the_tokenizers(ids: list[int], skip_special: bool) -> None:
+    """The detokenizer calls the Rust backend directly (the wrapper costs more than the decode):
+    it must give what ``decode`` gives, ids outside the vocabulary and special tokens included."""
+    fast = backend_decoder(TOKENIZER, skip_special)
+    assert fast is not None
+    assert fast(ids) == TOKENIZER.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
+
+
+def test_a_tokenizer_that_decodes_its_own_way_keeps_its_decode() -> None:
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs) -> str:  # type: ignore[override]
+            return super()._decode(token_ids, skip_special_tokens, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=TOKENIZER.backend_tokenizer, eos_token="<|eos|>")
+    assert backend_decoder(shouting, True) is None
+    ids = TOKENIZER.encode("hello world")
+    detok = IncrementalDetokenizer(shouting)
+    assert detok.add(ids) + detok.flush() == "HELLO WORLD"
 
 
 _TEXT = st.text(alphabet=st.sampled_from(list("ab héwö日本語🙂.,\n")), max_size=30)

@@ -33,6 +33,22 @@ def test_server_info_redacts_keys(e2e, http: httpx.Client) -> None:
     assert {"total", "free", "evictable", "protected", "req_slots_total", "req_slots_free"} <= set(info["leak_report"])
 
 
+def test_a_streamed_first_token_is_waited_for_and_delivered(e2e, http: httpx.Client) -> None:
+    """``server.first_token_wait_ms``: after the step that gives a stream its first token, with
+    more steps due, the scheduler waits for the HTTP process to say the token is written
+    (tests/server/test_first_token_wait.py has both halves alone)."""
+    before = http.get("/server_info").json()["first_token_waits"]
+    body = {"model": "tiny-llama", "prompt": "once upon a time", "max_tokens": 8, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert events
+    after = http.get("/server_info").json()["first_token_waits"]
+    assert after["delivered"] + after["timed_out"] == before["delivered"] + before["timed_out"] + 1
+    # In time or not (a loaded machine may take longer than the bound), the answer did come.
+    assert after["delivered"] + after["late"] == before["delivered"] + before["late"] + 1
+
+
 def test_get_load(http: httpx.Client) -> None:
     """SGLang's shape (a list, one entry per data-parallel rank, with the fields sglang-router
     reads) carrying plugserve's own fields too."""
