@@ -22,6 +22,7 @@ from framework.server.request_group import SubRequest
 from framework.server.scheduler_process import LOAD_REPORT_INTERVAL_S, SchedulerLoop
 from framework.server.tokenizer_manager import TokenizerManager
 from framework.testing.tiny_models import build_tokenizer
+from tests.server.test_units import FakeSocket
 
 # -- the scheduler's side ------------------------------------------------------------------------
 
@@ -43,14 +44,6 @@ class FedSocket:
         if not self.queue:
             raise zmq.Again()
         return self.queue.pop(0)
-
-
-class SentSocket:
-    def __init__(self) -> None:
-        self.sent: list[Any] = []
-
-    def send(self, data: bytes) -> None:
-        self.sent.append(ipc.decode_from_scheduler(data))
 
 
 class OneStepScheduler:
@@ -92,8 +85,8 @@ def later(rid: str = "a") -> RequestOutput:
     return RequestOutput(rid=rid, new_token_ids=[7], prompt_tokens=3, completion_tokens=2, cached_tokens=0)
 
 
-def make_loop(sched: OneStepScheduler, recv: FedSocket, wait_s: float = 5.0) -> tuple[SchedulerLoop, SentSocket]:
-    send = SentSocket()
+def make_loop(sched: OneStepScheduler, recv: FedSocket, wait_s: float = 5.0) -> tuple[SchedulerLoop, FakeSocket]:
+    send = FakeSocket()
     loop = SchedulerLoop(sched, None, [0], recv, send, parent_pid=0, first_token_wait_s=wait_s)  # type: ignore[arg-type]
     return loop, send
 
