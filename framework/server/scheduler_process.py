@@ -86,8 +86,10 @@ class SchedulerLoop:
 
         Why: on a machine with as many compute threads as cores, the next step's threads take
         every core the moment it starts, and the token still has to pass the ZMQ threads and the
-        HTTP process's event loop, each waiting for a core: that added ~4 ms to TTFT on 2 cores.
-        While the scheduler waits here its main thread sleeps and the HTTP process runs at once.
+        HTTP process's event loop, each waiting for a core. On 2 cores a trace once measured 5-6 ms
+        for that hop; another day its median was ~0 either way and the wait cut its 90th
+        percentile from 4-6 ms to 1-3.6 (docs/benchmarks.md). While the scheduler waits here its
+        main thread sleeps and the HTTP process runs at once.
         """
         more = self.scheduler.has_work()
         ack_id = 0
@@ -103,7 +105,7 @@ class SchedulerLoop:
 
     def _wait_delivered(self, ack_id: int) -> None:
         """Handle messages until the :class:`~framework.server.ipc.Delivered` for ``ack_id``
-        arrives or ``first_token_wait_s`` has passed (a late one is ignored by :meth:`_handle`)."""
+        arrives or ``first_token_wait_s`` has passed (a late one is only counted)."""
         deadline = time.monotonic() + self.first_token_wait_s
         while not self.stopping:
             remaining_ms = (deadline - time.monotonic()) * 1e3
