@@ -322,12 +322,14 @@ class ServerConfig:
     scheduler_start_timeout_s: float = 600.0
     """How long to wait for the scheduler process to load the model."""
     health_check_timeout_s: float = 20.0
-    first_token_wait_ms: float = 5.0
+    first_token_wait_ms: float = 0.0
     """After a step that gave a request its first token, the scheduler waits up to this long for
-    the HTTP process to say that token is written to the client before it starts the next step.
-    On a machine with few cores the next step's threads otherwise hold every core while the token
-    still has to cross the HTTP process (on 2 cores that hop's tail reached 4-6 ms, 1-3.6 with the
-    wait); the wait only happens when another step is due, and 0 turns it off."""
+    the HTTP process to say that token is written to the client before it starts the next step
+    (only when another step is due); 0, the default, does not wait. On a machine with few cores
+    the next step's threads otherwise hold every core while the token crosses the HTTP process.
+    Measured on 2 cores with 5: that hop's 90th percentile 1-3.6 ms instead of 4-6, its median
+    and the served TTFT at one stream unchanged, and at 64 streams ~3% more median TTFT at the same
+    throughput (docs/benchmarks.md), so it is off unless a host shows the gain."""
     """/health_generate gives up after this long."""
     sglang_metric_names: bool = False
     """/metrics also exports SGLang's metric names (``sglang:num_running_reqs``, ``sglang:token_usage``,

@@ -173,6 +173,9 @@ def main_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         f"server.max_top_logprobs={MAX_TOP_LOGPROBS}",
         f"server.max_body_bytes={MAX_BODY}",
         f"scheduler.max_queued_requests={MAX_QUEUED}",
+        # Off by default; on here so that every streamed request of the tests also runs the
+        # scheduler's wait for its first token and the HTTP process's Delivered answer.
+        "server.first_token_wait_ms=5",
     ]
     server = start_server(tmp_path_factory.mktemp("main-server"), overrides, API_KEY, ADMIN_KEY)
     try:

@@ -34,9 +34,9 @@ def test_server_info_redacts_keys(e2e, http: httpx.Client) -> None:
 
 
 def test_a_streamed_first_token_is_waited_for_and_delivered(e2e, http: httpx.Client) -> None:
-    """``server.first_token_wait_ms``: after the step that gives a stream its first token, with
-    more steps due, the scheduler waits for the HTTP process to say the token is written
-    (tests/server/test_first_token_wait.py has both halves alone)."""
+    """``server.first_token_wait_ms`` (5 on the test server, off by default): after the step that
+    gives a stream its first token, with more steps due, the scheduler waits for the HTTP process
+    to say the token is written (tests/server/test_first_token_wait.py has both halves alone)."""
     before = http.get("/server_info").json()["first_token_waits"]
     body = {"model": "tiny-llama", "prompt": "once upon a time", "max_tokens": 8, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
