@@ -322,6 +322,7 @@ class ServerConfig:
     scheduler_start_timeout_s: float = 600.0
     """How long to wait for the scheduler process to load the model."""
     health_check_timeout_s: float = 20.0
+    """/health_generate gives up after this long."""
     first_token_wait_ms: float = 0.0
     """After a step that gave a request its first token, the scheduler waits up to this long for
     the HTTP process to say that token is written to the client before it starts the next step
@@ -330,7 +331,6 @@ class ServerConfig:
     Measured on 2 cores with 5: that hop's 90th percentile 1-3.6 ms instead of 4-6, its median
     and the served TTFT at one stream unchanged, and at 64 streams ~3% more median TTFT at the same
     throughput (docs/benchmarks.md), so it is off unless a host shows the gain."""
-    """/health_generate gives up after this long."""
     sglang_metric_names: bool = False
     """/metrics also exports SGLang's metric names (``sglang:num_running_reqs``, ``sglang:token_usage``,
     ``sglang:time_to_first_token_seconds``, ... labelled ``model_name``), so dashboards built for

@@ -155,9 +155,8 @@ class TokenizerManager:
                                           state.cached_tokens, state.created, state.first_token_at)
                     group.queue.put_nowait(Event(index, "", True))
                     ended.setdefault(group.dp_rank, []).append(state.rid)
-            group.fail(error)
+            group.fail(error)  # (which also ends the group's delivery waits)
             group.closed = True  # nothing is left for close_group to abort
-            group.end_waits()
         self._groups.clear()
         self._routes.clear()
         for replica in self.replicas:
