@@ -88,18 +88,18 @@ class DeviceConfig:
     bf16 too on CPUs with native bf16 dot products), aten (torch's F.linear) or auto (onednn for the
     models it can pack when torch has it)."""
     cpu_small_gemm: CpuSmallGemm = CpuSmallGemm.auto
-    """Linear calls of a few rows (decode steps: up to ``small_gemm.max_rows``, 8 on AVX2 builds, 32
-    fp32 / 24 bf16 on AVX-512 ones, 4 bf16 where oneDNN has AMX) with onednn linears, fp32 or bf16:
+    """Linear calls of a few rows (decode steps: up to ``small_gemm.max_rows``, 128 fp32 / 8 bf16 on
+    AVX2 builds, 32 fp32 / 24 bf16 on AVX-512 ones, 4 bf16 where oneDNN has AMX) with onednn linears, fp32 or bf16:
     kernel (plugserve's C kernel, on a second copy of the linear weights in its own panel layout;
     1.1-1.5x faster there than oneDNN on the 2-core test hosts), onednn (the packed weights alone),
     or auto (kernel when the copy takes at most a quarter of the memory available at load time)."""
     cpu_fused_decode: bool = True
     """With the small-GEMM kernel on (``cpu_small_gemm``), decode steps of up to
-    ``small_gemm.fused_max_rows`` rows (64 fp32 / 48 bf16 on AVX-512 builds, 14 bf16 with AMX, 8 on AVX2 ones) run all
-    decoder layers of a Llama-family model in one C call when the attention backend offers its
-    decode attention to C (``cpu_paged`` does): the same kernels and results as the module path
-    where it runs them, without its per-layer Python work (~2 ms a step at batch 1 on a 2-core
-    host, 9-13% of a 48-64-row step). false: layer by layer through the modules."""
+    ``small_gemm.fused_max_rows`` rows (64 fp32 / 48 bf16 on AVX-512 builds, 14 bf16 with AMX, 64
+    fp32 / 8 bf16 on AVX2 ones) run all decoder layers of a Llama-family model in one C call when
+    the attention backend offers its decode attention to C (``cpu_paged`` does): the same kernels
+    and results as the module path where it runs them, without its per-layer Python work (~2 ms a
+    step at batch 1 on a 2-core host, 9-13% of a 48-64-row step). false: layer by layer through the modules."""
     cpu_huge_pages: bool = True
     """The small-GEMM kernel's weight copies (``cpu_small_gemm``) in one buffer on 2 MiB
     transparent huge pages, where Linux offers them (THP ``madvise`` or ``always``): a decode step

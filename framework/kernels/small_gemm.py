@@ -8,8 +8,11 @@ each k side by side) in per-thread chunks of panels, as a GEMM micro-kernel: eac
 loaded once and multiplied into every input row's accumulators. On the Zen 4 host (AVX-512,
 AVX512-BF16) it streamed llama-120m's weights ~1.5x faster than oneDNN's GEMV at one row, and was
 faster than oneDNN's blocked GEMM up to 32 rows in fp32 and 24 in bf16 (on the Sapphire Rapids
-host, with bf16 on its AMX tiles, up to 64 in both); on the 2-core AVX2 host
-the previous layout led up to 8 rows (docs/benchmarks.md), hence the per-build, per-dtype limit.
+host, with bf16 on its AMX tiles, up to 64 in both). On AVX2 the full-panel tile holds 2 rows, so
+calls of 9 rows or more run half-panel tiles of 6 rows x 16 columns, which reach ~160 GFLOP/s on
+the 2-core AVX2 Zen 3 host: faster than oneDNN at every fp32 row count up to 128 there (0.83-0.93x
+its time; bf16, with no native dot product on such CPUs, keeps 8 rows). Hence the per-build,
+per-dtype limit (docs/benchmarks.md).
 
 :func:`small_linear` returns ``None`` when the kernel does not apply (not fp32 or bf16 CPU tensors,
 too many rows, autograd on, no C compiler) and the caller runs its usual GEMM.
@@ -108,9 +111,9 @@ def amx_available() -> bool:
 @lru_cache(maxsize=2)
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
-    of this CPU's build: 8 with AVX2; with AVX-512 32 in fp32 and 24 in bf16; where the kernel has
-    AMX tiles (an Intel core) 128 in fp32 and 64 in bf16; 4 in bf16 where only oneDNN has AMX:
-    :data:`AMX_BF16_MAX_ROWS`); 0 when the kernel is unavailable."""
+    of this CPU's build: with AVX2 128 in fp32 and 8 in bf16; with AVX-512 32 in fp32 and 24 in
+    bf16; where the kernel has AMX tiles (an Intel core) 128 in fp32 and 64 in bf16; 4 in bf16
+    where only oneDNN has AMX: :data:`AMX_BF16_MAX_ROWS`); 0 when the kernel is unavailable."""
     return _row_limit("small_gemm_max_rows", dtype, AMX_BF16_MAX_ROWS)
 
 
@@ -120,7 +123,7 @@ def fused_max_rows(dtype: torch.dtype = torch.float32) -> int:
     kernel here (``small_gemm_fused_max_rows``: with AVX-512 64 in fp32 and 48 in bf16, 64 in bf16
     on the kernel's AMX tiles, 14 in bf16 where only oneDNN has AMX
     (:data:`AMX_BF16_FUSED_MAX_ROWS`), more than :func:`max_rows` because the fused step
-    also saves the module path's per-layer calls; with AVX2 the same as :func:`max_rows`); 0 when
+    also saves the module path's per-layer calls; with AVX2 :func:`max_rows` capped at 64); 0 when
     the kernel is unavailable."""
     return _row_limit("small_gemm_fused_max_rows", dtype, AMX_BF16_FUSED_MAX_ROWS)
 

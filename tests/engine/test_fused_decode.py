@@ -114,24 +114,24 @@ def assert_within_rounding(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_rows_past_the_standalone_limit_are_fused(engine_factory, models, dtype, monkeypatch):
-    """Between ``max_rows`` (where a linear alone goes to oneDNN) and ``fused_max_rows`` the step
-    is still fused: bitwise what the modules give when they run the same kernel at those rows, and
-    within rounding of the modules on oneDNN."""
+def test_steps_up_to_the_fused_row_limit_are_fused(engine_factory, models, dtype, monkeypatch):
+    """At ``fused_max_rows`` rows the step is fused: within rounding of the modules on oneDNN,
+    bitwise what the modules give when they run the same kernel at those rows, and one row past the
+    limit runs the modules. On AVX-512 builds those rows are past ``max_rows`` (where a linear
+    alone goes to oneDNN); on AVX2 ones (fp32: 64 fused, 128 alone) the row blocks are the kernel's
+    half-panel tiles."""
     rows = small_gemm.fused_max_rows(dtype)
-    if rows <= small_gemm.max_rows(dtype):
-        pytest.skip("this CPU's build fuses no more rows than a linear alone takes (AVX2; a kernel with "
-                    "AMX tiles, where a linear alone takes 128 fp32 rows and both limits are 64 in bf16)")
     eng = engine_factory(models("llama"), f"model.dtype={str(dtype).removeprefix('torch.')}",
                          "kv_cache.max_total_tokens=16384")
     batch, rids = decode_batch(eng, rows, new_tokens=16)
+    # The modules on oneDNN: no linear of these rows goes to the kernel.
+    monkeypatch.setattr(small_gemm, "max_rows", lambda dtype=torch.float32: 0)
     fused, onednn, taken = fused_and_modules(eng, batch)
     assert taken == 1
     assert_within_rounding(fused, onednn, dtype)
-    # The module path with the kernel at these rows (as it has up to max_rows): bit for bit. The LM
-    # head (outside the fused layers) now takes the kernel too, where above it ran on oneDNN: on a
-    # CPU with AMX oneDNN's bf16 GEMM sums in another order, so those logits are compared closely,
-    # not bitwise.
+    # The module path with the kernel at these rows: bit for bit. The LM head (outside the fused
+    # layers) takes the kernel too, where above it ran on oneDNN: on a CPU with AMX oneDNN's bf16
+    # GEMM sums in another order, so those logits are compared closely, not bitwise.
     monkeypatch.setattr(small_gemm, "max_rows", lambda dtype=torch.float32: rows)
     fused_again, kernel_modules, _ = fused_and_modules(eng, batch)
     assert torch.equal(fused_again, kernel_modules)

@@ -195,16 +195,22 @@ def test_swiglu_steps_aside_where_it_does_not_apply() -> None:
 
 
 def test_row_limit_per_dtype() -> None:
-    """The build's row limits: 8 on AVX2 (or plain C), and with AVX-512 32 in fp32 and 24 in bf16
-    (oneDNN's bf16 GEMM out-computes the kernel sooner once the weight stream no longer bounds it);
-    where the kernel itself runs on AMX tiles (an Intel core, on which oneDNN's fp32 GEMM also
-    overtakes it later) 128 in fp32 and 64 in bf16, 4 in bf16 where only oneDNN has AMX."""
+    """The build's row limits: on AVX2 128 in fp32 (its half-panel tiles) and 8 in bf16, 8 in plain
+    C; with AVX-512 32 in fp32 and 24 in bf16 (oneDNN's bf16 GEMM out-computes the kernel sooner
+    once the weight stream no longer bounds it); where the kernel itself runs on AMX tiles (an Intel
+    core, on which oneDNN's fp32 GEMM also overtakes it later) 128 in fp32 and 64 in bf16, 4 in bf16
+    where only oneDNN has AMX. A fused decode step takes at most 64 rows on any build."""
     fp32, bf16 = small_gemm.max_rows(torch.float32), small_gemm.max_rows(torch.bfloat16)
     if small_gemm.kernel_uses_amx():
         avx512 = (128, 64)
     else:
         avx512 = (32, small_gemm.AMX_BF16_MAX_ROWS if small_gemm.amx_available() else 24)
-    assert (fp32, bf16) == (avx512 if "avx512f" in _cpu_flags() else (8, 8))
+    flags = _cpu_flags()
+    expected = avx512 if "avx512f" in flags else (128, 8) if {"avx2", "fma"} <= flags else (8, 8)
+    assert (fp32, bf16) == expected
+    if "avx512f" not in flags:
+        assert small_gemm.fused_max_rows(torch.float32) == min(fp32, 64)
+        assert small_gemm.fused_max_rows(torch.bfloat16) == bf16
 
 
 def test_kernel_uses_amx_where_the_cpu_and_os_offer_it() -> None:
