@@ -589,7 +589,7 @@ static int panel_rows(const gemm_args *a, int64_t p, int64_t next, int prefetche
     }
 #endif
 #ifdef HALF_TILES
-    if (!a->bf16 && a->M >= HALF_MIN_ROWS) {
+    if (!a->bf16 && !a->x_blocked && a->M >= HALF_MIN_ROWS) { /* the half tiles read row-major input */
         half_panel_rows(a, p, prefetched);
         return 0;
     }
