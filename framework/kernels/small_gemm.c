@@ -198,25 +198,28 @@ static inline void store_row(const gemm_args *a, int64_t panel, int64_t m, const
         _mm_prefetch((const char *)(row) + PREFETCH_BYTES + 64, _MM_HINT_T1); \
     } while (0)
 
-/* The epilogue of an fp32 tile: whole panels in vectors (bias and add too), the last one through
- * store_row. acc is the tile's [MR_MAX][PANEL_VECS] accumulators. */
-INLINE void finish_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr, VEC acc[MR_MAX][PANEL_VECS]) {
-    const int64_t n0 = panel * PANEL_COLS;
-    for (int m = 0; m < mr; m++) {
-        if (n0 + PANEL_COLS > a->N) {
-            float buf[PANEL_COLS];
-            for (int v = 0; v < PANEL_VECS; v++) VSTORE(buf + v * VLEN, acc[m][v]);
-            store_row(a, panel, m0 + m, buf);
-            continue;
-        }
-        float *y = (float *)a->y + (m0 + m) * a->ldy + n0;
-        for (int v = 0; v < PANEL_VECS; v++) {
-            VEC r = acc[m][v];
-            if (a->bias) r = VADD(r, VLOAD((const float *)a->bias + n0 + v * VLEN));
-            if (a->add) r = VADD(r, VLOAD((const float *)a->add + (m0 + m) * a->ld_add + n0 + v * VLEN));
-            VSTORE(y + v * VLEN, r);
-        }
+/* Row m's fp32 sums of nvec vectors from output column n0 (a panel, or half of one): in vectors,
+ * bias and add too, where every column is a real one; else output by output, the last panel's
+ * padding columns dropped. */
+INLINE void store_vectors_f32(const gemm_args *a, int64_t m, int64_t n0, const VEC *acc, const int nvec) {
+    if (n0 + nvec * VLEN > a->N) {
+        float buf[PANEL_COLS];
+        for (int v = 0; v < nvec; v++) VSTORE(buf + v * VLEN, acc[v]);
+        for (int64_t c = 0; c < a->N - n0; c++) store(a, m, n0 + c, buf[c]);
+        return;
     }
+    float *y = (float *)a->y + m * a->ldy + n0;
+    for (int v = 0; v < nvec; v++) {
+        VEC r = acc[v];
+        if (a->bias) r = VADD(r, VLOAD((const float *)a->bias + n0 + v * VLEN));
+        if (a->add) r = VADD(r, VLOAD((const float *)a->add + m * a->ld_add + n0 + v * VLEN));
+        VSTORE(y + v * VLEN, r);
+    }
+}
+
+/* The epilogue of an fp32 tile. acc is the tile's [MR_MAX][PANEL_VECS] accumulators. */
+INLINE void finish_f32(const gemm_args *a, int64_t panel, int64_t m0, const int mr, VEC acc[MR_MAX][PANEL_VECS]) {
+    for (int m = 0; m < mr; m++) store_vectors_f32(a, m0 + m, panel * PANEL_COLS, acc[m], PANEL_VECS);
 }
 
 #ifdef __AVX512F__
@@ -409,23 +412,7 @@ INLINE void tile_f32_half(const gemm_args *a, int64_t panel, int half, int64_t m
             acc[m][1] = _mm256_fmadd_ps(w1, xv, acc[m][1]);
         }
     }
-    const int64_t n0 = panel * PANEL_COLS + half * HALF_COLS;
-    for (int m = 0; m < mr; m++) {
-        if (n0 + HALF_COLS > a->N) { /* the last panel's padding columns are dropped */
-            float buf[HALF_COLS];
-            _mm256_storeu_ps(buf, acc[m][0]);
-            _mm256_storeu_ps(buf + 8, acc[m][1]);
-            for (int64_t c = 0; c < a->N - n0; c++) store(a, m0 + m, n0 + c, buf[c]);
-            continue;
-        }
-        float *y = (float *)a->y + (m0 + m) * a->ldy + n0;
-        for (int v = 0; v < 2; v++) {
-            __m256 r = acc[m][v];
-            if (a->bias) r = _mm256_add_ps(r, _mm256_loadu_ps((const float *)a->bias + n0 + v * 8));
-            if (a->add) r = _mm256_add_ps(r, _mm256_loadu_ps((const float *)a->add + (m0 + m) * a->ld_add + n0 + v * 8));
-            _mm256_storeu_ps(y + v * 8, r);
-        }
-    }
+    for (int m = 0; m < mr; m++) store_vectors_f32(a, m0 + m, panel * PANEL_COLS + half * HALF_COLS, acc[m], 2);
 }
 
 /* Panel p of an fp32 call in half tiles: each half's row blocks in turn (the half panel, K x 64
