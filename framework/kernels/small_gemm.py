@@ -9,10 +9,10 @@ loaded once and multiplied into every input row's accumulators. On the Zen 4 hos
 AVX512-BF16) it streamed llama-120m's weights ~1.5x faster than oneDNN's GEMV at one row, and was
 faster than oneDNN's blocked GEMM up to 32 rows in fp32 and 24 in bf16 (on the Sapphire Rapids
 host, with bf16 on its AMX tiles, up to 64 in both). On AVX2 the full-panel tile holds 2 rows, so
-calls of 9 rows or more run half-panel tiles of 6 rows x 16 columns, which reach ~160 GFLOP/s on
-the 2-core AVX2 Zen 3 host: faster than oneDNN at every fp32 row count up to 128 there (0.83-0.93x
-its time; bf16, with no native dot product on such CPUs, keeps 8 rows). Hence the per-build,
-per-dtype limit (docs/benchmarks.md).
+fp32 calls of 3 rows or more run half-panel tiles of 6 rows x 16 columns, each tile also fetching
+its share of the next panel (up to 56 rows), which reach ~160 GFLOP/s on the 2-core AVX2 Zen 3
+host: faster than oneDNN at every fp32 row count up to 128 there (bf16, with no native dot product
+on such CPUs, keeps 8 rows). Hence the per-build, per-dtype limit (docs/benchmarks.md).
 
 :func:`small_linear` returns ``None`` when the kernel does not apply (not fp32 or bf16 CPU tensors,
 too many rows, autograd on, no C compiler) and the caller runs its usual GEMM.

@@ -78,10 +78,12 @@ def _assert_fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expe
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 30, 37, 61, 64, 97, 128])
 @pytest.mark.parametrize("n_out,k_in", [(40, 24), (130, 768), (257, 1001), (3, 8), (64, 5)])
 def test_matches_float64_reference(rows: int, n_out: int, k_in: int, kernel_variant: str) -> None:
-    """Row counts within one tile and over several row blocks (2 rows a tile on AVX2, up to 12 on
-    AVX-512, where two or more blocks read a block-wise copy of the input: 37 and 61 rows end on a
-    smaller block), outputs around the 32-column panels and the per-thread split, input lengths with
-    and without a tail past the last multiple of 8."""
+    """Row counts within one tile and over several row blocks (on AVX2 1-2 rows in a full-panel
+    tile, fp32 from 3 rows in half-panel tiles of up to 6 rows, whose tiles fetch the next panel up
+    to 56 rows and not past; up to 12 rows a tile on AVX-512, where two or more blocks read a
+    block-wise copy of the input: 37 and 61 rows end on a smaller block), outputs around the
+    32-column panels and the per-thread split, input lengths with and without a tail past the last
+    multiple of 8."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out + k_in)
     x, w = torch.randn(rows, k_in, generator=g), torch.randn(n_out, k_in, generator=g)
     got = _linear(x, w)
