@@ -88,7 +88,7 @@ class DeviceConfig:
     bf16 too on CPUs with native bf16 dot products), aten (torch's F.linear) or auto (onednn for the
     models it can pack when torch has it)."""
     cpu_small_gemm: CpuSmallGemm = CpuSmallGemm.auto
-    """Linear calls of a few rows (decode steps: up to ``small_gemm.max_rows``, 128 fp32 / 8 bf16 on
+    """Linear calls of a few rows (decode steps: up to ``small_gemm.max_rows``, 64 fp32 / 8 bf16 on
     AVX2 builds, 32 fp32 / 24 bf16 on AVX-512 ones, 4 bf16 where oneDNN has AMX) with onednn linears, fp32 or bf16:
     kernel (plugserve's C kernel, on a second copy of the linear weights in its own panel layout;
     1.1-1.5x faster there than oneDNN on the 2-core test hosts), onednn (the packed weights alone),

@@ -395,10 +395,14 @@ static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int pref
  * HALF_SPREAD_MAX_ROWS rows: without that, the first tile streamed the panel from memory and the
  * later ones computed while the memory idled. llama-120m's 49 decode GEMMs on the AVX2 Zen 3 host,
  * alternating in one process, the spread against none: 9 rows 0.77x the time, 16 0.83x, 24
- * 0.81-0.87x, 32 0.92-0.96x, 48 0.92x, 56 0.88-0.96x, but 64 1.02-1.05x and 128 1.16-1.19x (the
- * next panel, up to 256 KB at K = 2048, then pushes the current one, re-read by ~20 tiles, out of
- * the 512 KB L2). With the spread, half tiles beat the 2-row full-panel tiles from 3 rows (0.96x
- * the time; 4 rows 0.88x, 6 0.75x, 8 0.78x), not at 2 (1.11x). */
+ * 0.81-0.87x, 32 0.92-0.96x, 48 0.92x, 56 0.88-0.96x. Past that the tiles fetch at most
+ * HALF_SPREAD_CAP bytes of the next panel (a 768-input panel whole, the first half of a 2048-input
+ * one), and its first tile streams the rest itself: the whole panel there measured 1.02-1.05x the
+ * time at 64 rows and 1.16-1.19x at 128 while the host was quiet (256 KB of next panel pushed the
+ * current one, still re-read by ~20 tiles, out of the 512 KB L2), but while it was busy the capped
+ * fetch took 0.74-0.87x the time of none at 64 rows, 0.81-0.93x at 96 and 0.71-0.85x at 128 (the
+ * whole panel 0.66-0.74x, 0.92x, 0.87-0.89x). With the spread, half tiles beat the 2-row full-panel
+ * tiles from 3 rows (0.96x the time; 4 rows 0.88x, 6 0.75x, 8 0.78x), not at 2 (1.11x). */
 #define HALF_COLS 16
 #define HALF_MR 6
 #ifndef HALF_MIN_ROWS
@@ -406,6 +410,9 @@ static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int pref
 #endif
 #ifndef HALF_SPREAD_MAX_ROWS
 #define HALF_SPREAD_MAX_ROWS 56
+#endif
+#ifndef HALF_SPREAD_CAP
+#define HALF_SPREAD_CAP 131072
 #endif
 
 INLINE void tile_f32_half(const gemm_args *a, int64_t panel, int half, int64_t m0, const int mr, const int prefetch,
@@ -441,8 +448,10 @@ static int half_panel_rows(const gemm_args *a, int64_t p, int64_t next, int pref
     const int64_t mr = block_rows(a->M, HALF_MR), blocks = (a->M + mr - 1) / mr;
     const int halves = p * PANEL_COLS + HALF_COLS < a->N ? 2 : 1;
     const int64_t panel_bytes = a->Kp * PANEL_COLS * 4;
-    const char *next_panel = a->M <= HALF_SPREAD_MAX_ROWS && next >= 0 ? (const char *)a->w + next * panel_bytes : NULL;
-    const int64_t share = (panel_bytes / 64 + halves * blocks - 1) / (halves * blocks);
+    const int64_t fetch_bytes = a->M <= HALF_SPREAD_MAX_ROWS ? panel_bytes
+                                : panel_bytes < HALF_SPREAD_CAP ? panel_bytes : HALF_SPREAD_CAP;
+    const char *next_panel = fetch_bytes > 0 && next >= 0 ? (const char *)a->w + next * panel_bytes : NULL;
+    const int64_t share = fetch_bytes > 0 ? (fetch_bytes / 64 + halves * blocks - 1) / (halves * blocks) : 1;
     const int64_t every = a->Kp / share > 1 ? a->Kp / share : 1;
     int64_t t = 0; /* tiles so far over this panel: tile t fetches lines [t * share, (t + 1) * share) of next */
     for (int half = 0; half < halves; half++) {
@@ -459,7 +468,7 @@ static int half_panel_rows(const gemm_args *a, int64_t p, int64_t next, int pref
             }
         }
     }
-    return next_panel != NULL;
+    return next_panel != NULL && fetch_bytes == panel_bytes;
 }
 #define HALF_TILES 1
 #endif
@@ -867,11 +876,15 @@ int small_gemm_max_rows(int bf16) {
     if (amx_permitted()) return bf16 ? AMX_MAX_ROWS : MAX_ROWS_ANY;
     return bf16 ? 24 : 32;
 #elif defined(HALF_TILES)
-    /* AVX2 fp32 with the half-panel tiles: ahead of oneDNN's GEMM at every row count up to
-     * MAX_ROWS_ANY. AVX2 Zen 3 host (2 cores), llama-120m's 49 decode GEMMs, this kernel / oneDNN:
-     * 8 rows 0.93x, 12 0.87x, 16 0.83x, 64 0.88x, 96 0.88x, 128 0.88x. bf16 (widened by shifts,
-     * no native bf16 dot product on such a CPU) keeps the full-panel tiles and 8. */
-    return bf16 ? 8 : MAX_ROWS_ANY;
+    /* AVX2 fp32 with the half-panel tiles: up to 64 rows (a fused decode step's most). AVX2 Zen 3
+     * host (2 cores), llama-120m's 49 decode GEMMs, this kernel / oneDNN: one morning 8 rows 0.93x,
+     * 16 0.83x, 64-128 0.88x; that afternoon (the host busier, the next-panel fetch in) 4-16 rows
+     * 0.64-0.75x, 32 0.84x, but 48-128 rows 0.97-1.31x, and a 128-token prompt's prefill on
+     * oneDNN took 0.90x the time of the kernel's (median of 12 alternating rounds), so past 64
+     * rows oneDNN, whose blocking keeps the input in cache, takes the calls. At 64 rows the whole
+     * fused step stayed ahead (0.79x the module path on oneDNN, same hour). bf16 (widened by
+     * shifts, no native bf16 dot product on such a CPU) keeps the full-panel tiles and 8. */
+    return bf16 ? 8 : FUSED_MAX_ROWS;
 #else
     (void)bf16;
     return 8;

@@ -10,9 +10,9 @@ AVX512-BF16) it streamed llama-120m's weights ~1.5x faster than oneDNN's GEMV at
 faster than oneDNN's blocked GEMM up to 32 rows in fp32 and 24 in bf16 (on the Sapphire Rapids
 host, with bf16 on its AMX tiles, up to 64 in both). On AVX2 the full-panel tile holds 2 rows, so
 fp32 calls of 3 rows or more run half-panel tiles of 6 rows x 16 columns, each tile also fetching
-its share of the next panel (up to 56 rows), which reach ~160 GFLOP/s on the 2-core AVX2 Zen 3
-host: faster than oneDNN at every fp32 row count up to 128 there (bf16, with no native dot product
-on such CPUs, keeps 8 rows). Hence the per-build, per-dtype limit (docs/benchmarks.md).
+its share of the next panel (past 56 rows its first 128 KB), which reach ~160 GFLOP/s on the 2-core
+AVX2 Zen 3 host (bf16, with no native dot product on such CPUs, keeps 8 rows). Hence the
+per-build, per-dtype limit (docs/benchmarks.md).
 
 :func:`small_linear` returns ``None`` when the kernel does not apply (not fp32 or bf16 CPU tensors,
 too many rows, autograd on, no C compiler) and the caller runs its usual GEMM.
@@ -111,7 +111,7 @@ def amx_available() -> bool:
 @lru_cache(maxsize=2)
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
-    of this CPU's build: with AVX2 128 in fp32 and 8 in bf16; with AVX-512 32 in fp32 and 24 in
+    of this CPU's build: with AVX2 64 in fp32 and 8 in bf16; with AVX-512 32 in fp32 and 24 in
     bf16; where the kernel has AMX tiles (an Intel core) 128 in fp32 and 64 in bf16; 4 in bf16
     where only oneDNN has AMX: :data:`AMX_BF16_MAX_ROWS`); 0 when the kernel is unavailable."""
     return _row_limit("small_gemm_max_rows", dtype, AMX_BF16_MAX_ROWS)

@@ -13,7 +13,7 @@ None so the model runs its modules:
 - the rows are at most :func:`framework.kernels.small_gemm.fused_max_rows` (64 in fp32 and 48 in
   bf16 with AVX-512; 14 in bf16 where oneDNN has AMX, whose bf16 GEMM is faster from a few rows
   on; with AVX2 64 in fp32 and 8 in bf16). Up to :func:`~framework.kernels.small_gemm.max_rows`
-  (32 / 24; 64 / 64 on AMX; 128 / 8 on AVX2) the module path runs the same kernel; between the
+  (32 / 24; 64 / 64 on AMX; 64 / 8 on AVX2) the module path runs the same kernel; between the
   two it runs oneDNN's GEMM, which is as fast as the kernel alone there, but the step through the
   modules measured 9-13% slower at 32-64 rows (per-layer Python and serial torch calls while the
   other thread waits, oneDNN's static split of the work);

@@ -118,7 +118,7 @@ def test_steps_up_to_the_fused_row_limit_are_fused(engine_factory, models, dtype
     """At ``fused_max_rows`` rows the step is fused: within rounding of the modules on oneDNN,
     bitwise what the modules give when they run the same kernel at those rows, and one row past the
     limit runs the modules. On AVX-512 builds those rows are past ``max_rows`` (where a linear
-    alone goes to oneDNN); on AVX2 ones (fp32: 64 fused, 128 alone) the row blocks are the kernel's
+    alone goes to oneDNN); on AVX2 ones (fp32: 64 fused and alone) the row blocks are the kernel's
     half-panel tiles."""
     rows = small_gemm.fused_max_rows(dtype)
     eng = engine_factory(models("llama"), f"model.dtype={str(dtype).removeprefix('torch.')}",
