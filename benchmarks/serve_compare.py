@@ -8,6 +8,12 @@ is one ``serve`` row in the results file tagged with the system's name, so ``plu
 draws one curve per system; the table printed at the end gives plugserve / vLLM ratios measured in
 this one run (figures taken at different times on a shared machine are not comparable).
 
+On a host whose speed drifts within minutes, whichever system runs second is measured on a different
+machine than the first. ``--rounds 2`` (or more) runs the systems again in the opposite order
+(plugserve, vLLM, then vLLM, plugserve, ...) and reports each round's ratio and their geometric
+mean, so a drift that favours one order is paid by both systems. ``--requests-log`` keeps every
+request's send time, TTFT and TPOT, so a tail percentile can be traced to the requests behind it.
+
 vLLM lives in its own virtual environment (it pins its own torch): ``--vllm-python``. Its server is
 started the way ../shared/PEERS.md says (both cores for its OpenMP threads, none reserved).
 """
@@ -45,6 +51,9 @@ def add_serve_compare_command(bench_sub: Any, common: Callable[[argparse.Argumen
                    help="every request's temperature (default 0: greedy; above 0 both servers sample)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to become healthy")
     p.add_argument("--logs", help="directory for the servers' logs (default: a temporary one)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the systems this many times, alternating their order each round (default 1)")
+    p.add_argument("--requests-log", help="JSONL file every request's timings are appended to (one line each)")
     p.set_defaults(func=cmd_serve_compare)
 
 
@@ -87,15 +96,23 @@ def _level_requests(level: int, count: int, args: argparse.Namespace, vocab_size
     return random_dataset(count, args.input_len, args.output_len, vocab_size, seed=1000 + level)
 
 
-def sweep(system: str, args: argparse.Namespace, model: str, vocab_size: int, logs: Path) -> list[dict[str, Any]]:
+def round_order(systems: list[str], round_index: int) -> list[str]:
+    """The systems in the order round ``round_index`` runs them: as given, reversed every other round."""
+    return list(systems) if round_index % 2 == 0 else list(reversed(systems))
+
+
+def sweep(system: str, args: argparse.Namespace, model: str, vocab_size: int, logs: Path,
+          round_index: int = 0) -> list[dict[str, Any]]:
     """Start ``system``'s server, run every concurrency level against it, stop it; one row per level."""
+    from framework.bench.offline import append_result
     from framework.bench.pd import Process, _free_port
     from framework.bench.serving import run_workload
-    from framework.bench.serving_metrics import summarize
+    from framework.bench.serving_metrics import request_records, summarize
 
     port = _free_port()
     cmd, env = _server_command(system, args, model, port)
-    server = Process([], port, logs / f"{system}.log", command=cmd, env=env)
+    suffix = f"-round{round_index}" if args.rounds > 1 else ""
+    server = Process([], port, logs / f"{system}{suffix}.log", command=cmd, env=env)
     rows: list[dict[str, Any]] = []
     try:
         started = time.monotonic()
@@ -108,11 +125,15 @@ def sweep(system: str, args: argparse.Namespace, model: str, vocab_size: int, lo
                 server.url, reqs, "openai", max_concurrency=level, warmup=min(level, 4), model=None,
                 progress=False, temperature=args.temperature))
             result = summarize(outputs, duration)
+            if args.requests_log:
+                for record in request_records(outputs):
+                    append_result(args.requests_log, {"system": system, "round": round_index,
+                                                      "max_concurrency": level, **record})
             rows.append({"kind": "serve", "tag": system, "backend": "openai", "system": system,
-                         "max_concurrency": level, "num_prompts": count, "prompt_format": "ids",
+                         "round": round_index, "max_concurrency": level, "num_prompts": count, "prompt_format": "ids",
                          "request_rate": "inf", "dtype": args.dtype, "input_len": args.input_len,
                          "output_len": args.output_len, "temperature": args.temperature, **result})
-            print(f"{system} c={level}: {result['output_throughput']} tok/s, median TPOT "
+            print(f"{system}{suffix} c={level}: {result['output_throughput']} tok/s, median TPOT "
                   f"{result.get('median_tpot_ms')} ms, median TTFT {result.get('median_ttft_ms')} ms"
                   + (f", {result['failed']} failed: {result['first_error']}" if result["failed"] else ""))
     finally:
@@ -141,22 +162,45 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: per concurrency, plugserve / vLLM in each round and their geometric mean."""
+    by = {(r["system"], r.get("round", 0), r["max_concurrency"]): r["output_throughput"] for r in rows}
+    rounds = sorted({r.get("round", 0) for r in rows})
+    lines = ["| concurrency | " + " | ".join(f"ratio, round {i}" for i in rounds) + " | geometric mean |",
+             "|---|" + "---|" * (len(rounds) + 1)]
+    for level in sorted({r["max_concurrency"] for r in rows}):
+        ratios = [by[("plugserve", i, level)] / by[("vllm", i, level)]
+                  if by.get(("plugserve", i, level)) and by.get(("vllm", i, level)) else None for i in rounds]
+        known = [x for x in ratios if x is not None]
+        mean = f"{math.exp(sum(math.log(x) for x in known) / len(known)):.2f}" if known else "-"
+        lines.append(f"| {level} | " + " | ".join("-" if x is None else f"{x:.2f}" for x in ratios) + f" | {mean} |")
+    return "\n".join(lines)
+
+
 def cmd_serve_compare(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from framework.bench.offline import append_result, environment
 
+    if args.rounds < 1:
+        raise SystemExit(f"bench serve-compare: --rounds must be at least 1, got {args.rounds}")
     model = _model_path(args)
     vocab_size = int(AutoConfig.from_pretrained(model).vocab_size)
     logs = Path(args.logs or tempfile.mkdtemp(prefix="plugserve-serve-compare-"))
     logs.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    for system in args.systems:  # one at a time: each server alone on the machine
-        rows += sweep(system, args, model, vocab_size, logs)
+    for round_index in range(args.rounds):
+        for system in round_order(args.systems, round_index):  # one at a time: each server alone on the machine
+            rows += sweep(system, args, model, vocab_size, logs, round_index)
     env = environment()
     for row in rows:
         append_result(args.output, {**row, "model": model, "run_tag": args.tag, **env})
-    print(comparison_table(rows))
+    for round_index in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {round_index} ({', '.join(round_order(args.systems, round_index))}):")
+        print(comparison_table([r for r in rows if r["round"] == round_index]))
+    if args.rounds > 1:
+        print(rounds_table(rows))
     print(f"server logs: {logs}")
     failed = sum(r["failed"] for r in rows)
     return 1 if failed or any(math.isnan(r["output_throughput"]) for r in rows) else 0

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from framework.bench.datasets import BenchRequest, add_dataset_args, load_requests
-from framework.bench.serving_metrics import RequestOutput, format_summary, summarize
+from framework.bench.serving_metrics import RequestOutput, format_summary, request_records, summarize
 
 if TYPE_CHECKING:  # aiohttp is imported where used: the CLI imports this module to build its parser
     import aiohttp
@@ -58,6 +58,7 @@ def add_serve_command(bench_sub: Any, common_output: Callable[[argparse.Argument
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every request's temperature (default 0: greedy; e.g. 1.0 measures sampling too)")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--requests-log", help="JSONL file every request's timings are appended to (one line each)")
     common_output(p)
     p.set_defaults(func=cmd_serve)
 
@@ -82,7 +83,7 @@ async def send_generate(client: aiohttp.ClientSession, req: BenchRequest, header
     out = RequestOutput(prompt_tokens=len(req.input_ids))
     body = {"input_ids": req.input_ids, "stream": True,
             "sampling_params": {"temperature": temperature, "max_new_tokens": req.output_len, "ignore_eos": True}}
-    start = last = time.perf_counter()
+    start = last = out.sent_at = time.perf_counter()
     seen = 0
     try:
         async with client.post("/generate", json=body, headers=headers) as resp:
@@ -126,7 +127,7 @@ async def send_completion(client: aiohttp.ClientSession, req: BenchRequest, head
     # workload would not be the same from one server to the next.
     body = {"model": model, "prompt": prompt, "max_tokens": req.output_len, "temperature": temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = last = time.perf_counter()
+    start = last = out.sent_at = time.perf_counter()
     chunks = 0
     usage: dict[str, Any] = {}
     try:
@@ -230,6 +231,8 @@ async def run_workload(base_url: str, requests: list[BenchRequest], backend: str
         outputs = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
+    for o in outputs:
+        o.sent_at -= start
     return list(outputs), duration
 
 
@@ -266,6 +269,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         temperature=args.temperature))
     result = summarize(outputs, duration)
     print(format_summary(result))
+    if args.requests_log:
+        for record in request_records(outputs):
+            append_result(args.requests_log, {"tag": args.tag, **record})
     rate = args.request_rate
     append_result(args.output, {
         "kind": "serve", "tag": args.tag, "backend": args.backend, "base_url": args.base_url,

@@ -23,6 +23,26 @@ class RequestOutput:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    sent_at: float = 0.0
+    """``time.perf_counter()`` when the request was sent; ``run_workload`` makes it seconds since the
+    measured run's start, so a request log shows which requests waited behind which."""
+
+
+def request_records(outputs: list[RequestOutput]) -> list[dict[str, Any]]:
+    """One JSON-ready dict per request, in request order: when it was sent, its TTFT, TPOT and
+    end-to-end latency (ms), its token counts and its error. A summary's p99 names no request;
+    these say whether a tail came from one stalled request or from a wave queued behind others."""
+    records = []
+    for i, o in enumerate(outputs):
+        tpot = (o.latency - o.ttft) / (o.output_tokens - 1) * 1000.0 if o.success and o.output_tokens > 1 else None
+        records.append({"index": i, "sent_s": round(o.sent_at, 4), "success": o.success,
+                        "ttft_ms": round(o.ttft * 1000.0, 2) if o.success else None,
+                        "tpot_ms": None if tpot is None else round(tpot, 3),
+                        "e2e_latency_ms": round(o.latency * 1000.0, 2) if o.success else None,
+                        "max_itl_ms": round(max(o.itl) * 1000.0, 2) if o.itl else None,
+                        "prompt_tokens": o.prompt_tokens, "output_tokens": o.output_tokens,
+                        "error": o.error or None})
+    return records
 
 
 def _stats(values: list[float], name: str, scale: float = 1000.0) -> dict[str, float | None]:

@@ -136,3 +136,22 @@ def test_warm_up_gives_the_measured_requests_no_cache_hits(bench_server) -> None
     outs, _ = asyncio.run(run_workload(bench_server.url, reqs, warmup=3, progress=False))
     assert all(o.success for o in outs)
     assert hits() == before
+
+
+def test_requests_log_one_line_per_request_in_send_order(bench_server, tmp_path: Path) -> None:
+    """``--requests-log``: every request's send time and timings; with one stream in flight each
+    request is sent only after the one before it finished, and its TPOT is the summary's."""
+    log = tmp_path / "requests.jsonl"
+    row = _bench(tmp_path, bench_server.url, "--num-prompts", "4", "--input-len", "10", "--output-len", "5",
+                 "--max-concurrency", "1", "--warmup", "1", "--requests-log", str(log), "--tag", "one")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2, 3] and all(r["tag"] == "one" for r in records)
+    assert all(r["success"] and r["output_tokens"] == 5 and r["error"] is None for r in records)
+    assert records[0]["sent_s"] >= 0.0
+    for before, after in zip(records, records[1:], strict=False):
+        assert after["sent_s"] >= before["sent_s"] + before["e2e_latency_ms"] / 1000.0 - 1e-3
+    assert all(0 < r["ttft_ms"] <= r["e2e_latency_ms"] for r in records)
+    import numpy as np
+
+    assert float(np.median([r["tpot_ms"] for r in records])) == pytest.approx(row["median_tpot_ms"], abs=0.01)
+    assert max(r["ttft_ms"] for r in records) >= row["p99_ttft_ms"] - 0.01

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serve_compare import comparison_table
+from benchmarks.serve_compare import comparison_table, round_order, rounds_table
 
 
 def _run(tmp_path: Path, model: Path, systems: list[str], *extra: str) -> tuple[subprocess.CompletedProcess, list]:
@@ -40,6 +40,47 @@ def test_plugserve_sweep_records_one_row_per_level(tmp_path: Path, bench_model: 
     assert "| 1 | " in proc.stdout and "| 2 | " in proc.stdout
     # the server was stopped: its log is complete and no child is left
     assert (tmp_path / "logs" / "plugserve.log").exists()
+
+
+def test_rounds_alternate_the_order_and_log_every_request(tmp_path: Path, bench_model: Path) -> None:
+    """``--rounds 2``: the sweep runs again (a fresh server, its own log) and every row says its
+    round; ``--requests-log`` holds one line per measured request of every round and level."""
+    log = tmp_path / "requests.jsonl"
+    proc, rows = _run(tmp_path, bench_model, ["plugserve"], "--rounds", "2", "--requests-log", str(log),
+                      "kv_cache.max_total_tokens=2048")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(r["round"], r["max_concurrency"]) for r in rows] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert all(r["completed"] == 8 and r["total_output_tokens"] == 8 * 6 for r in rows)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 4 * 8
+    for rnd, level in ((0, 1), (0, 2), (1, 1), (1, 2)):
+        mine = [r for r in records if (r["round"], r["max_concurrency"]) == (rnd, level)]
+        assert [r["index"] for r in mine] == list(range(8)) and all(r["output_tokens"] == 6 for r in mine)
+    assert (tmp_path / "logs" / "plugserve-round0.log").exists() and (tmp_path / "logs" / "plugserve-round1.log").exists()
+    assert "ratio, round 0 | ratio, round 1 | geometric mean" in proc.stdout
+
+
+def test_rounds_must_be_positive(tmp_path: Path, bench_model: Path) -> None:
+    proc, rows = _run(tmp_path, bench_model, ["plugserve"], "--rounds", "0")
+    assert proc.returncode != 0 and "--rounds must be at least 1, got 0" in proc.stdout + proc.stderr
+    assert rows == []
+
+
+def test_round_order_alternates() -> None:
+    assert [round_order(["plugserve", "vllm"], i) for i in range(3)] == [
+        ["plugserve", "vllm"], ["vllm", "plugserve"], ["plugserve", "vllm"]]
+
+
+def test_rounds_table_geometric_mean_of_round_ratios() -> None:
+    def row(system: str, rnd: int, level: int, tps: float) -> dict:
+        return {"system": system, "round": rnd, "max_concurrency": level, "output_throughput": tps}
+
+    table = rounds_table([row("plugserve", 0, 4, 200.0), row("vllm", 0, 4, 100.0),
+                          row("plugserve", 1, 4, 100.0), row("vllm", 1, 4, 200.0),
+                          row("plugserve", 0, 16, 90.0)])
+    lines = table.splitlines()
+    assert lines[2] == "| 4 | 2.00 | 0.50 | 1.00 |"  # sqrt(2.0 x 0.5)
+    assert lines[3] == "| 16 | - | - | - |"
 
 
 def test_vllm_needs_its_interpreter(tmp_path: Path, bench_model: Path) -> None:
