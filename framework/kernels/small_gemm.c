@@ -174,7 +174,8 @@ static inline void store_row(const gemm_args *a, int64_t panel, int64_t m, const
  * 49 decode GEMMs, alternating with the row-major build: fp32 24 rows (2 blocks of 12) 0.91x, 48
  * rows 0.94-0.95x, 64 rows 0.97-0.99x, 16 and 32 rows 0.99-1.0x; bf16 16 rows 0.95x, 24 0.93x, 32
  * 0.95x, 48 0.93x. At one block (up to 12 rows) it measured 1.03-1.06x slower at 4 and 8 rows
- * (fp32), so those keep rows, and so do the AVX2 and scalar tiles (not measured there). */
+ * (fp32), so those keep rows, and so do the scalar tiles and AVX2's full-panel ones; AVX2's half
+ * tiles take blocks from HALF_XB_MIN_ROWS rows. */
 #if defined(SMALL_GEMM_VECTOR) && MR_MAX > 6
 #define X_BLOCKED 1
 #else
@@ -414,11 +415,20 @@ static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int pref
 #ifndef HALF_SPREAD_CAP
 #define HALF_SPREAD_CAP 131072
 #endif
+/* From HALF_XB_MIN_ROWS rows the input is copied block by block, each k-major (x_blocked, as the
+ * AVX-512 tiles have it from 13 rows), so a tile's broadcasts read one stream rather than one per
+ * row. llama-120m's 49 decode GEMMs on the AVX2 Zen 3 host, three alternating A/Bs against the
+ * row-major copy: 64 rows 0.88-0.93x the time, 48 0.92x, 32 0.92-0.96x, 24 0.96x, 16 0.94-0.99x,
+ * 8 0.89-1.06x, 3-6 0.97x; whole decode steps varied more with the host than between the two. */
+#ifndef HALF_XB_MIN_ROWS
+#define HALF_XB_MIN_ROWS 24
+#endif
 
-INLINE void tile_f32_half(const gemm_args *a, int64_t panel, int half, int64_t m0, const int mr, const int prefetch,
-                          const char *ahead, const int64_t every, const int64_t share) {
+INLINE void tile_f32_half(const gemm_args *a, int64_t panel, int half, int64_t m0, const int mr, const int blocked,
+                          const int prefetch, const char *ahead, const int64_t every, const int64_t share) {
     const float *wp = (const float *)a->w + panel * a->Kp * PANEL_COLS;
     const float *x = a->x + m0 * a->Kp;
+    const int64_t m_step = blocked ? 1 : a->Kp, k_step = blocked ? mr : 1; /* x[m, k] of the tile */
     __m256 acc[HALF_MR][2];
     for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     int64_t due = 0, fetched = 0;
@@ -433,7 +443,7 @@ INLINE void tile_f32_half(const gemm_args *a, int64_t panel, int half, int64_t m
         IN_REGISTER(w0);
         IN_REGISTER(w1);
         for (int m = 0; m < mr; m++) {
-            const __m256 xv = _mm256_set1_ps(x[m * a->Kp + k]);
+            const __m256 xv = _mm256_set1_ps(x[m * m_step + k * k_step]);
             acc[m][0] = _mm256_fmadd_ps(w0, xv, acc[m][0]);
             acc[m][1] = _mm256_fmadd_ps(w1, xv, acc[m][1]);
         }
@@ -458,14 +468,28 @@ static int half_panel_rows(const gemm_args *a, int64_t p, int64_t next, int pref
         for (int64_t m0 = 0; m0 < a->M; m0 += mr, t++) {
             const int rows = (int)(a->M - m0 < mr ? a->M - m0 : mr), prefetch = half == 0 && m0 == 0 && !prefetched;
             const char *ahead = next_panel ? next_panel + t * share * 64 : NULL;
-            switch (rows) { /* the row count a constant, so the accumulators stay in registers */
-                case 1: tile_f32_half(a, p, half, m0, 1, prefetch, ahead, every, share); break;
-                case 2: tile_f32_half(a, p, half, m0, 2, prefetch, ahead, every, share); break;
-                case 3: tile_f32_half(a, p, half, m0, 3, prefetch, ahead, every, share); break;
-                case 4: tile_f32_half(a, p, half, m0, 4, prefetch, ahead, every, share); break;
-                case 5: tile_f32_half(a, p, half, m0, 5, prefetch, ahead, every, share); break;
-                default: tile_f32_half(a, p, half, m0, 6, prefetch, ahead, every, share); break;
+#define HALF_TILE(r, blocked) tile_f32_half(a, p, half, m0, r, blocked, prefetch, ahead, every, share)
+            /* the row count and the input layout constants, so the accumulators stay in registers */
+            if (a->x_blocked) {
+                switch (rows) {
+                    case 1: HALF_TILE(1, 1); break;
+                    case 2: HALF_TILE(2, 1); break;
+                    case 3: HALF_TILE(3, 1); break;
+                    case 4: HALF_TILE(4, 1); break;
+                    case 5: HALF_TILE(5, 1); break;
+                    default: HALF_TILE(6, 1); break;
+                }
+            } else {
+                switch (rows) {
+                    case 1: HALF_TILE(1, 0); break;
+                    case 2: HALF_TILE(2, 0); break;
+                    case 3: HALF_TILE(3, 0); break;
+                    case 4: HALF_TILE(4, 0); break;
+                    case 5: HALF_TILE(5, 0); break;
+                    default: HALF_TILE(6, 0); break;
+                }
             }
+#undef HALF_TILE
         }
     }
     return next_panel != NULL && fetch_bytes == panel_bytes;
@@ -612,7 +636,7 @@ static int panel_rows(const gemm_args *a, int64_t p, int64_t next, int prefetche
     }
 #endif
 #ifdef HALF_TILES
-    if (!a->bf16 && !a->x_blocked && a->M >= HALF_MIN_ROWS) { /* the half tiles read row-major input */
+    if (!a->bf16 && a->M >= HALF_MIN_ROWS) { /* row-major input, or blocked from HALF_XB_MIN_ROWS rows */
         return half_panel_rows(a, p, next, prefetched);
     }
 #endif
@@ -723,7 +747,11 @@ static void copy_input(const gemm_args *a, int64_t part, int64_t parts) {
     uint16_t *xb = (uint16_t *)a->xb;
     const int bf16 = a->bf16, x_blocked = a->x_blocked;
     if (a->amx && part == 0) memset(xb + M * Kp, 0, (size_t)((a->padded_rows - M) * Kp) * sizeof(uint16_t));
+#ifdef HALF_TILES
+    const int64_t mr = x_blocked ? block_rows(M, bf16 ? MR_MAX : HALF_MR) : 1; /* the blocks the tiles read */
+#else
     const int64_t mr = x_blocked ? block_rows(M, MR_MAX) : 1;
+#endif
     int64_t b = 0;
     for (int64_t m0 = 0; m0 < M; m0 += mr, b++) {
         if (b % parts != part) continue;
@@ -826,7 +854,11 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
         return -2;
     }
     if (act) y = scratch;
+#ifdef HALF_TILES
+    const int x_blocked = !bf16 && M >= HALF_XB_MIN_ROWS; /* the half tiles (AVX2 fp32) */
+#else
     const int x_blocked = X_BLOCKED && (!bf16 || XB_BLOCKED) && M > MR_MAX && !amx;
+#endif
     gemm_args a = {xf, xb, w, bias, add, ld_add, y, ldy, M, N, Kp, bf16, x_blocked, amx, act, ld_act,
                    x, ldx, K, padded_rows};
     int rc = run(&a, threads);

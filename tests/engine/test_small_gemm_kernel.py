@@ -81,10 +81,10 @@ def test_matches_float64_reference(rows: int, n_out: int, k_in: int, kernel_vari
     """Row counts within one tile and over several row blocks (on AVX2 1-2 rows in a full-panel
     tile, fp32 from 3 rows in half-panel tiles of up to 6 rows, whose tiles fetch the next panel:
     whole up to 56 rows, past that at most its first 128 KB, which 1001 inputs (129 KB panels) pass
-    and 768 do not; up to 12 rows a tile on AVX-512, where two or more blocks read a
-    block-wise copy of the input: 37 and 61 rows end on a smaller block), outputs around the
-    32-column panels and the per-thread split, input lengths with and without a tail past the last
-    multiple of 8."""
+    and 768 do not, and which from 24 rows read a block-wise copy of the input; up to 12 rows a
+    tile on AVX-512, where two or more blocks read such a copy: 37 and 61 rows end on a smaller
+    block), outputs around the 32-column panels and the per-thread split, input lengths with and
+    without a tail past the last multiple of 8."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out + k_in)
     x, w = torch.randn(rows, k_in, generator=g), torch.randn(n_out, k_in, generator=g)
     got = _linear(x, w)
