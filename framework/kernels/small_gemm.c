@@ -468,27 +468,23 @@ static int half_panel_rows(const gemm_args *a, int64_t p, int64_t next, int pref
         for (int64_t m0 = 0; m0 < a->M; m0 += mr, t++) {
             const int rows = (int)(a->M - m0 < mr ? a->M - m0 : mr), prefetch = half == 0 && m0 == 0 && !prefetched;
             const char *ahead = next_panel ? next_panel + t * share * 64 : NULL;
+/* the row count and the input layout constants, so the accumulators stay in registers */
 #define HALF_TILE(r, blocked) tile_f32_half(a, p, half, m0, r, blocked, prefetch, ahead, every, share)
-            /* the row count and the input layout constants, so the accumulators stay in registers */
+#define HALF_TILES_OF(blocked)                       \
+    switch (rows) {                                  \
+        case 1: HALF_TILE(1, blocked); break;        \
+        case 2: HALF_TILE(2, blocked); break;        \
+        case 3: HALF_TILE(3, blocked); break;        \
+        case 4: HALF_TILE(4, blocked); break;        \
+        case 5: HALF_TILE(5, blocked); break;        \
+        default: HALF_TILE(6, blocked); break;       \
+    }
             if (a->x_blocked) {
-                switch (rows) {
-                    case 1: HALF_TILE(1, 1); break;
-                    case 2: HALF_TILE(2, 1); break;
-                    case 3: HALF_TILE(3, 1); break;
-                    case 4: HALF_TILE(4, 1); break;
-                    case 5: HALF_TILE(5, 1); break;
-                    default: HALF_TILE(6, 1); break;
-                }
+                HALF_TILES_OF(1)
             } else {
-                switch (rows) {
-                    case 1: HALF_TILE(1, 0); break;
-                    case 2: HALF_TILE(2, 0); break;
-                    case 3: HALF_TILE(3, 0); break;
-                    case 4: HALF_TILE(4, 0); break;
-                    case 5: HALF_TILE(5, 0); break;
-                    default: HALF_TILE(6, 0); break;
-                }
+                HALF_TILES_OF(0)
             }
+#undef HALF_TILES_OF
 #undef HALF_TILE
         }
     }

@@ -10,7 +10,8 @@ AVX512-BF16) it streamed llama-120m's weights ~1.5x faster than oneDNN's GEMV at
 faster than oneDNN's blocked GEMM up to 32 rows in fp32 and 24 in bf16 (on the Sapphire Rapids
 host, with bf16 on its AMX tiles, up to 64 in both). On AVX2 the full-panel tile holds 2 rows, so
 fp32 calls of 3 rows or more run half-panel tiles of 6 rows x 16 columns, each tile also fetching
-its share of the next panel (past 56 rows its first 128 KB), which reach ~160 GFLOP/s on the 2-core
+its share of the next panel (past 56 rows its first 128 KB) and from 24 rows reading a block-wise,
+k-major copy of the input, which reach ~160 GFLOP/s on the 2-core
 AVX2 Zen 3 host (bf16, with no native dot product on such CPUs, keeps 8 rows). Hence the
 per-build, per-dtype limit (docs/benchmarks.md).
 
