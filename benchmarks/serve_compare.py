@@ -36,6 +36,8 @@ DEFAULT_CONCURRENCY = (1, 4, 16, 64)
 
 def add_serve_compare_command(bench_sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register ``bench serve-compare`` (the ``plugserve.bench`` entry point ``serve-compare``)."""
+    from framework.bench.serving import add_requests_log_argument
+
     p = bench_sub.add_parser("serve-compare",
                              help="sweep concurrency against plugserve's and vLLM's OpenAI servers, one at a time")
     common(p)
@@ -53,7 +55,7 @@ def add_serve_compare_command(bench_sub: Any, common: Callable[[argparse.Argumen
     p.add_argument("--logs", help="directory for the servers' logs (default: a temporary one)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the systems this many times, alternating their order each round (default 1)")
-    p.add_argument("--requests-log", help="JSONL file every request's timings are appended to (one line each)")
+    add_requests_log_argument(p)
     p.set_defaults(func=cmd_serve_compare)
 
 
@@ -104,10 +106,9 @@ def round_order(systems: list[str], round_index: int) -> list[str]:
 def sweep(system: str, args: argparse.Namespace, model: str, vocab_size: int, logs: Path,
           round_index: int = 0) -> list[dict[str, Any]]:
     """Start ``system``'s server, run every concurrency level against it, stop it; one row per level."""
-    from framework.bench.offline import append_result
     from framework.bench.pd import Process, _free_port
-    from framework.bench.serving import run_workload
-    from framework.bench.serving_metrics import request_records, summarize
+    from framework.bench.serving import append_requests_log, run_workload
+    from framework.bench.serving_metrics import summarize
 
     port = _free_port()
     cmd, env = _server_command(system, args, model, port)
@@ -125,10 +126,8 @@ def sweep(system: str, args: argparse.Namespace, model: str, vocab_size: int, lo
                 server.url, reqs, "openai", max_concurrency=level, warmup=min(level, 4), model=None,
                 progress=False, temperature=args.temperature))
             result = summarize(outputs, duration)
-            if args.requests_log:
-                for record in request_records(outputs):
-                    append_result(args.requests_log, {"system": system, "round": round_index,
-                                                      "max_concurrency": level, **record})
+            append_requests_log(args.requests_log, outputs,
+                                {"system": system, "round": round_index, "max_concurrency": level})
             rows.append({"kind": "serve", "tag": system, "backend": "openai", "system": system,
                          "round": round_index, "max_concurrency": level, "num_prompts": count, "prompt_format": "ids",
                          "request_rate": "inf", "dtype": args.dtype, "input_len": args.input_len,
@@ -164,8 +163,8 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
 
 def rounds_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: per concurrency, plugserve / vLLM in each round and their geometric mean."""
-    by = {(r["system"], r.get("round", 0), r["max_concurrency"]): r["output_throughput"] for r in rows}
-    rounds = sorted({r.get("round", 0) for r in rows})
+    by = {(r["system"], r["round"], r["max_concurrency"]): r["output_throughput"] for r in rows}
+    rounds = sorted({r["round"] for r in rows})
     lines = ["| concurrency | " + " | ".join(f"ratio, round {i}" for i in rounds) + " | geometric mean |",
              "|---|" + "---|" * (len(rounds) + 1)]
     for level in sorted({r["max_concurrency"] for r in rows}):

@@ -58,9 +58,22 @@ def add_serve_command(bench_sub: Any, common_output: Callable[[argparse.Argument
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every request's temperature (default 0: greedy; e.g. 1.0 measures sampling too)")
     p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--requests-log", help="JSONL file every request's timings are appended to (one line each)")
+    add_requests_log_argument(p)
     common_output(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_requests_log_argument(p: argparse.ArgumentParser) -> None:
+    """``--requests-log`` (``bench serve``, ``bench serve-compare``)."""
+    p.add_argument("--requests-log", help="JSONL file every request's timings are appended to (one line each)")
+
+
+def append_requests_log(path: str | None, outputs: list[RequestOutput], fields: dict[str, Any]) -> None:
+    """One line per request (:func:`request_records`) with ``fields`` in front; nothing without ``path``."""
+    from framework.bench.offline import append_result
+
+    for record in request_records(outputs) if path else []:
+        append_result(path, {**fields, **record})
 
 
 def _sse_payloads(line: bytes) -> Any | None:
@@ -269,9 +282,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         temperature=args.temperature))
     result = summarize(outputs, duration)
     print(format_summary(result))
-    if args.requests_log:
-        for record in request_records(outputs):
-            append_result(args.requests_log, {"tag": args.tag, **record})
+    append_requests_log(args.requests_log, outputs, {"tag": args.tag})
     rate = args.request_rate
     append_result(args.output, {
         "kind": "serve", "tag": args.tag, "backend": args.backend, "base_url": args.base_url,

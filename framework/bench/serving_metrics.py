@@ -28,16 +28,22 @@ class RequestOutput:
     measured run's start, so a request log shows which requests waited behind which."""
 
 
+def tpot(o: RequestOutput) -> float | None:
+    """Seconds per output token after the first, or None for a failed or one-token request (no
+    such time: counting it as zero would flatter the mean)."""
+    return (o.latency - o.ttft) / (o.output_tokens - 1) if o.success and o.output_tokens > 1 else None
+
+
 def request_records(outputs: list[RequestOutput]) -> list[dict[str, Any]]:
     """One JSON-ready dict per request, in request order: when it was sent, its TTFT, TPOT and
     end-to-end latency (ms), its token counts and its error. A summary's p99 names no request;
     these say whether a tail came from one stalled request or from a wave queued behind others."""
     records = []
     for i, o in enumerate(outputs):
-        tpot = (o.latency - o.ttft) / (o.output_tokens - 1) * 1000.0 if o.success and o.output_tokens > 1 else None
+        per_token = tpot(o)
         records.append({"index": i, "sent_s": round(o.sent_at, 4), "success": o.success,
                         "ttft_ms": round(o.ttft * 1000.0, 2) if o.success else None,
-                        "tpot_ms": None if tpot is None else round(tpot, 3),
+                        "tpot_ms": None if per_token is None else round(per_token * 1000.0, 3),
                         "e2e_latency_ms": round(o.latency * 1000.0, 2) if o.success else None,
                         "max_itl_ms": round(max(o.itl) * 1000.0, 2) if o.itl else None,
                         "prompt_tokens": o.prompt_tokens, "output_tokens": o.output_tokens,
@@ -64,9 +70,7 @@ def summarize(outputs: list[RequestOutput], duration_s: float) -> dict[str, Any]
     done = [o for o in outputs if o.success]
     in_tokens = sum(o.prompt_tokens for o in done)
     out_tokens = sum(o.output_tokens for o in done)
-    # A request with one output token has no time-per-output-token: leave it out rather than
-    # count it as zero, which would flatter the mean.
-    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in done if o.output_tokens > 1]
+    tpots = [t for t in map(tpot, done) if t is not None]
     duration_s = max(duration_s, 1e-9)
     errors = [o.error for o in outputs if not o.success]
     return {
