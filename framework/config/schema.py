@@ -223,11 +223,20 @@ class SchedulerConfig:
     disaggregation) is a config error."""
     mixed_chunk_min_running: Optional[int] = None
     """Mixed steps only while at least this many requests decode; with fewer, a prefill runs alone
-    before the decode steps resume (as without mixed steps). null (auto): 32 on CPU, 1 on GPU. Why
+    before the decode steps resume (as without mixed steps), for at most
+    ``mixed_chunk_max_stalled_steps`` steps in a row. null (auto): 32 on CPU, 1 on GPU. Why
     CPU waits: there a mixed step costs about the sum of its two halves (both compute-bound from a few
     dozen rows), so mixing only moves latency; with a small decode batch prefill-first gave the
     lower TTFT at the same throughput, with a large one mixed steps gave the lower TTFT (see
     docs/benchmarks.md, "Mixed steps for large decode batches")."""
+    mixed_chunk_max_stalled_steps: Optional[int] = 1
+    """Below ``mixed_chunk_min_running``, the running requests wait through at most this many
+    prefill-only steps in a row: the next prefill step mixes their decode rows in, as a mixed step
+    would from the threshold on. Without it a backlog of prompts (a wave of arrivals, a long prompt
+    in chunks) stops every running stream for as many steps as the backlog takes (at 64 streams
+    four 1024-token steps, ~5 s between two tokens on the AVX2 host); a single prefill still runs
+    alone first, which keeps the lower TTFT that prefill-first gives small batches. 0: mix whenever
+    a request decodes (as ``mixed_chunk_min_running=1``); null: no limit."""
     mixed_chunk_max_tokens: Optional[int] = None
     """Token budget of a mixed step, its decode rows included (a prefill alone keeps
     ``max_prefill_tokens``). null (auto): 1792 on CPU (at 64 decode rows, 1536 gave lower TTFT but

@@ -94,6 +94,8 @@ class Scheduler:
         self._ratio_step = (self.cfg.init_new_token_ratio - self.cfg.min_new_token_ratio) / max(
             self.cfg.new_token_ratio_decay_steps, 1
         )
+        self.stalled_steps = 0
+        """Prefill-only steps in a row that ran while requests were decoding (see ``mixed_step_now``)."""
         self.num_retractions = 0
         self.cache_hit_tokens = 0
         self.prompt_tokens_seen = 0
@@ -197,8 +199,13 @@ class Scheduler:
         """Whether a prefill batch formed now shares its forward with the running requests' decode
         rows: ``scheduler.mixed_chunk`` on (config resolution leaves it off, or refuses it, with the
         overlap loop or a PD role) and at least ``scheduler.mixed_chunk_min_running`` requests
-        decoding."""
-        return bool(self.cfg.mixed_chunk) and len(self.running) >= (self.cfg.mixed_chunk_min_running or 1)
+        decoding, or any decoding after ``scheduler.mixed_chunk_max_stalled_steps`` prefill-only
+        steps in a row stopped them."""
+        if not self.cfg.mixed_chunk or not self.running:
+            return False
+        max_stalled = self.cfg.mixed_chunk_max_stalled_steps
+        return (len(self.running) >= (self.cfg.mixed_chunk_min_running or 1)
+                or (max_stalled is not None and self.stalled_steps >= max_stalled))
 
     def run_prefill(self, reqs: list[Req], chunked: Req | None, mixed: bool = False) -> bool:
         """Prefill ``reqs``; False if not even one of them could get KV (decode runs instead).
@@ -237,6 +244,8 @@ class Scheduler:
         if not reqs:
             return False
         self.chunked = chunked
+        # A prefill-only step while requests run stalls them; a mixed step ends the stall.
+        self.stalled_steps = 0 if decoding or not self.running else self.stalled_steps + 1
         batch_reqs = reqs + decoding
         batch, plan = build_extend(batch_reqs, slots, self.runner)
         stats = self.batch_stats("mixed" if decoding else "prefill", batch_reqs, batch.num_tokens)
@@ -285,6 +294,7 @@ class Scheduler:
         slots = self.kv.alloc_decode(reqs)
         if slots is None:  # cannot happen after _make_room_for_decode; fail loudly if it does
             raise RuntimeError("KV allocation failed after retraction")
+        self.stalled_steps = 0
         batch = build_decode(reqs, slots, self.runner)
         stats = self.batch_stats("decode", reqs, len(reqs))
         self.hook.on_batch_scheduled(batch=stats)

@@ -387,7 +387,7 @@ def test_mixed_steps_wait_for_min_running(cases, make_engine, register_plugin):
     _, path, _, prompts, expected = cases.get("llama_gqa")
     eng = make_engine(path, "scheduler.mixed_chunk=true", "scheduler.mixed_chunk_min_running=3",
                       "scheduler.max_prefill_tokens=8", "scheduler.mixed_chunk_max_tokens=20",
-                      "scheduler.chunked_prefill_size=8")
+                      "scheduler.chunked_prefill_size=8", "scheduler.mixed_chunk_max_stalled_steps=null")
     assert run_staggered(eng, prompts) == expected
     mixed = [(running, tokens) for mode, running, tokens in batches if mode == "mixed"]
     alone = [(running, tokens) for mode, running, tokens in batches if mode == "prefill"]
@@ -395,3 +395,37 @@ def test_mixed_steps_wait_for_min_running(cases, make_engine, register_plugin):
     assert min(running for running, _ in mixed) >= 3, batches
     assert max(tokens for _, tokens in alone) <= 8 and max(tokens for _, tokens in mixed) <= 20, batches
     assert max(tokens for _, tokens in mixed) > 8, batches  # the larger budget was used
+
+
+@pytest.mark.parametrize("max_stalled", [0, 1, 2, None])
+def test_a_prefill_backlog_stalls_decoding_for_at_most_max_stalled_steps(cases, make_engine, register_plugin,
+                                                                          max_stalled):
+    """``scheduler.mixed_chunk_max_stalled_steps``: below ``mixed_chunk_min_running``, prompts
+    waiting in chunks run as prefill-only steps while requests decode at most that many steps in a
+    row; the next one mixes the decode rows in. null leaves only the threshold, which these
+    prompts never reach: the stalls then run longer. Tokens stay transformers'."""
+    from framework.hookspecs import hookimpl
+
+    batches: list[tuple[str, int]] = []
+
+    class Watch:
+        @hookimpl
+        def on_batch_scheduled(self, batch):
+            batches.append((batch.mode, batch.num_running))
+
+    register_plugin(Watch(), "watch-batches")
+    _, path, _, prompts, expected = cases.get("llama_gqa")
+    setting = "null" if max_stalled is None else str(max_stalled)
+    eng = make_engine(path, "scheduler.mixed_chunk=true", "scheduler.mixed_chunk_min_running=100",
+                      "scheduler.max_prefill_tokens=4", "scheduler.chunked_prefill_size=4",
+                      f"scheduler.mixed_chunk_max_stalled_steps={setting}")
+    assert run_staggered(eng, prompts) == expected
+    longest = streak = 0
+    for mode, running in batches:
+        streak = streak + 1 if mode == "prefill" and running > 0 else 0
+        longest = max(longest, streak)
+    mixed = [running for mode, running in batches if mode == "mixed"]
+    if max_stalled is None:
+        assert not mixed and longest > 2, batches
+    else:
+        assert mixed and longest == max_stalled, batches

@@ -95,6 +95,11 @@ def test_mixed_steps_auto_per_device_and_loop():
         resolve("scheduler.mixed_chunk=true", "scheduler.overlap=true")
     with pytest.raises(ConfigError, match=r"scheduler\.mixed_chunk_min_running: invalid value 0, must be >= 1"):
         resolve("scheduler.mixed_chunk_min_running=0")
+    assert cfg.scheduler.mixed_chunk_max_stalled_steps == 1
+    assert resolve("scheduler.mixed_chunk_max_stalled_steps=null").scheduler.mixed_chunk_max_stalled_steps is None
+    with pytest.raises(ConfigError,
+                       match=r"scheduler\.mixed_chunk_max_stalled_steps: invalid value -1, must be >= 0 or null"):
+        resolve("scheduler.mixed_chunk_max_stalled_steps=-1")
 
 
 def test_decode_mode_picks_decode_pool_and_checks_transfer_backend():
