@@ -40,6 +40,12 @@ class CpuSmallGemm(Enum):
     onednn = "onednn"
 
 
+class CpuPrefillGemm(Enum):
+    auto = "auto"
+    onednn = "onednn"
+    aten = "aten"
+
+
 class DisaggregationMode(Enum):
     prefill = "prefill"
     decode = "decode"
@@ -93,6 +99,14 @@ class DeviceConfig:
     kernel (plugserve's C kernel, on a second copy of the linear weights in its own panel layout;
     1.1-1.5x faster there than oneDNN on the 2-core test hosts), onednn (the packed weights alone),
     or auto (kernel when the copy takes at most a quarter of the memory available at load time)."""
+    cpu_prefill_gemm: CpuPrefillGemm = CpuPrefillGemm.auto
+    """Linear calls of 256 rows and more (prefills, mixed steps) with onednn linears: onednn (the
+    packed weights), aten (torch's ``F.linear``, i.e. MKL's sgemm, on a dense copy of the weights
+    kept for it: one more copy of the linear weights), or auto (aten for fp32 on a CPU whose best
+    vector unit torch reports as AVX2, when the copy takes at most a quarter of the memory available
+    at load time; onednn elsewhere). On the AVX2-only Zen 3 host MKL ran those GEMMs 1.05-1.2x
+    faster than packed oneDNN (prefill of 8 x 128 tokens 0.92x the time); on the AVX-512 Zen 4 host
+    the two measured equal, and below ~200 rows oneDNN is ahead on both."""
     cpu_fused_decode: bool = True
     """With the small-GEMM kernel on (``cpu_small_gemm``), decode steps of up to
     ``small_gemm.fused_max_rows`` rows (64 fp32 / 48 bf16 on AVX-512 builds, 14 bf16 with AMX, 64

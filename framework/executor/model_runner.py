@@ -98,7 +98,8 @@ class ModelRunner:
                                  and enable_fused_decode(self.model))
         self.weights = ModelWeights(self.model, model_comp.factory, model_options, self.hf_config, self.dtype,
                                     packed=self.linear_impl == "onednn", saver=self.memory_saver,
-                                    small_gemm=self.small_gemm, huge_pages=settings.device.cpu_huge_pages)
+                                    small_gemm=self.small_gemm, huge_pages=settings.device.cpu_huge_pages,
+                                    prefill_blas=self.prefill_blas)
 
         # This rank's KV heads: a tensor-parallel rank caches only the heads its attention computes.
         self.tp = get_tensor_parallel()
@@ -153,7 +154,7 @@ class ModelRunner:
 
     def _pack_cpu_linears(self, choice: str) -> str:
         """Swap linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
-        self.small_gemm = False
+        self.small_gemm = self.prefill_blas = False
         if self.device.type != "cpu" or choice == "aten":
             if self.settings.device.cpu_small_gemm.value == "kernel":
                 raise ConfigError("device.cpu_small_gemm: kernel needs device.cpu_linear onednn (or auto) on CPU; "
@@ -174,8 +175,19 @@ class ModelRunner:
                                   "allowed values: auto, kernel, onednn")
             return "aten"
         self.small_gemm = self._choose_small_gemm(self.settings.device.cpu_small_gemm.value)
-        pack_linear_layers(self.model, small_gemm=self.small_gemm, huge_pages=self.settings.device.cpu_huge_pages)
+        self.prefill_blas = self._choose_prefill_blas(self.settings.device.cpu_prefill_gemm.value)
+        pack_linear_layers(self.model, small_gemm=self.small_gemm, huge_pages=self.settings.device.cpu_huge_pages,
+                           blas=self.prefill_blas)
         return "onednn"
+
+    def _choose_prefill_blas(self, choice: str) -> bool:
+        """Whether packed linears also keep their dense weights for ``F.linear`` on large calls
+        (``device.cpu_prefill_gemm``; see ``cpu_linear.BLAS_MIN_ROWS``)."""
+        if choice != "auto":
+            return choice == "aten"
+        avx2_only = torch.backends.cpu.get_cpu_capability() == "AVX2"
+        extra = small_gemm_extra_bytes(self.model) * (2 if self.small_gemm else 1)
+        return self.dtype == torch.float32 and avx2_only and extra <= available_memory_bytes() // 4
 
     def _choose_small_gemm(self, choice: str) -> bool:
         """Whether packed fp32 linears also keep a plain copy for the small-GEMM kernel."""
@@ -275,6 +287,7 @@ class ModelRunner:
             "memory_pool": self.settings.memory_pool.name,
             "cpu_linear": self.linear_impl,
             "cpu_small_gemm": self.small_gemm,
+            "cpu_prefill_gemm": "aten" if self.prefill_blas else self.linear_impl,
             "cpu_fused_decode": self.fused_decode,
             "cpu_keep_freed_memory": self.keeps_freed_memory,
             "cpu_huge_pages": self.small_gemm and self.settings.device.cpu_huge_pages and huge_pages_available(),

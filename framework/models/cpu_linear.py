@@ -7,7 +7,9 @@ with AVX-512 and bf16 dot products) and ~9-12 GB/s of weight reads for the singl
 oneDNN's inner-product primitive with the weight reordered once into its blocked layout (what
 ``torch.compile``'s CPU freezing pass does) measured ~200 GFLOP/s and ~1.4x faster GEMV. The code
 needs neither AVX-512 nor bf16 instructions: it asks torch what oneDNN supports here. Reordering
-costs a copy per weight at load time and nothing per call.
+costs a copy per weight at load time and nothing per call. (Later, on an AVX2-only Zen 3 host, MKL
+ran the prefill-sized GEMMs faster than the packed weights: layers packed with ``blas`` keep their
+dense weights for those calls too, see :data:`BLAS_MIN_ROWS` and ``device.cpu_prefill_gemm``.)
 
 Row counts: oneDNN builds (and caches, in two LRU caches of 1024 entries) one primitive per input
 shape, so packed GEMMs run at a bounded set of row counts (:func:`bucket_rows`): with a new count
@@ -25,7 +27,6 @@ plain weight layout; packed, the same GEMMs measured 1.1x (1024 rows), 1.3x (64 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from torch import nn
 
 from framework.kernels.huge_pages import empty_on_huge_pages, huge_pages_available
 from framework.kernels.small_gemm import PANEL_COLS, PanelWeight, pack_weight, small_linear
+from framework.models.onednn_rows import padded_rows, unpadded
 
 logger = logging.getLogger(__name__)
 
@@ -40,56 +42,14 @@ logger = logging.getLogger(__name__)
 # decode-sized hint measured best for the GEMV that dominates single-request decode.
 _BATCH_SIZE_HINT = 64
 
-#: Row counts up to this many reach oneDNN as they are; larger ones are padded (see ``bucket_rows``).
-_EXACT_ROWS = 32
-
-
-def bucket_rows(rows: int) -> int:
-    """The row count a packed GEMM of ``rows`` rows runs at: ``rows`` itself up to 32, else rounded
-    up to a multiple of an eighth of its power of two (33..64 in steps of 4, 65..128 in steps of 8,
-    ..., 513..1024 in steps of 64), and of a sixteenth above 1024 rows (1025..2048 in steps of 64):
-    at most 12.5% more rows (6.25% above 1024), zeros, sliced off the result.
-
-    Why: oneDNN builds (JIT-compiles) a primitive per input shape, and torch keeps them in two LRU
-    caches of 1024 entries (ideep's ``LRU_CACHE_CAPACITY`` and oneDNN's
-    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). With every prefill batch a new row count both caches
-    evicted on most calls, and the primitives allocated and freed between each step's tensors
-    fragmented glibc's heap: the scheduler's idle RSS rose by 425 MB over 10k requests and was
-    still rising (``scripts/soak/scheduler_memory.py``, embedded model; the heap's free bytes grew
-    while its live bytes stayed flat). Bucketed, a CPU server with the default budgets (a prefill
-    <= 1024 rows, a mixed step <= 1792 with its decode rows) has at most 85 row counts per layer
-    shape (~510 primitives for a Llama's six GEMM kinds), so the caches stop evicting. A row's result
-    does not depend on the row count (fp32 here: bitwise equal), so the padding changes no output.
-
-    Why finer above 1024: the 64-stream served workload's mixed steps run ~1700 rows, which the
-    eighths padded to 1792 (~4% of their GEMM work on zeros). With sixteenths, in process on the
-    Sapphire Rapids host (llama-120m fp32, 64 in flight over 256 requests, alternating): those
-    steps took 1106-1110 ms against 1153-1160, and the run 374.8-376.6 tok/s against 366.5-367.1.
-    """
-    if rows <= _EXACT_ROWS:
-        return rows
-    step = 1 << (rows.bit_length() - (5 if rows > 1024 else 4))
-    return -(-rows // step) * step
-
-
-def _padded_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as contiguous 2-D rows, zero rows appended up to ``bucket_rows``."""
-    x = x.reshape(-1, x.shape[-1])
-    rows = x.shape[0]
-    target = bucket_rows(rows)
-    if target == rows:
-        return x.contiguous()
-    out = x.new_empty((target, x.shape[1]))
-    out[:rows] = x
-    out[rows:].zero_()
-    return out
-
-
-def _unpadded(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The rows of ``y`` that belong to ``like``'s rows, in ``like``'s leading shape (a view)."""
-    lead = like.shape[:-1]
-    return y[: math.prod(lead)].view(*lead, y.shape[-1])
-
+BLAS_MIN_ROWS = 256
+"""Calls of at least this many rows go to torch's ``F.linear`` (MKL's sgemm) on a dense copy of the
+weight when packing was asked to keep one (``blas=True``; ``device.cpu_prefill_gemm``). Why: on the
+AVX2-only Zen 3 host, llama-120m's four GEMM shapes, 6 weights each, alternating in one process,
+GFLOP/s MKL / oneDNN packed: 96 rows 112-135 / 140-146 (oneDNN ahead), 256 rows 135-162 / 139-152,
+512 rows 159-173 / 143-157, 1024 rows 146-178 / 139-149, 1792 rows 148-172 / 132-151; in the engine
+eight 128-token prompts prefilled in 1097 ms against 1194 (medians of 8, alternating), the same
+first tokens. On the AVX-512 Zen 4 host the two measured equal at 1664 rows (docs/benchmarks.md)."""
 
 def packable_dtypes() -> tuple[torch.dtype, ...]:
     """Weight dtypes :func:`pack_linear_layers` packs here: fp32, plus bf16 where oneDNN has native
@@ -136,7 +96,8 @@ class PackedLinear(nn.Module):
     that reads it (the shape, tied embeddings) only when the caller keeps it; otherwise it is freed.
     """
 
-    def __init__(self, linear: nn.Linear, keep_dense_weight: bool = False, small_gemm: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, keep_dense_weight: bool = False, small_gemm: bool = False,
+                 blas: bool = False) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.in_features = linear.in_features
@@ -147,6 +108,8 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight if keep_dense_weight else None
         # The small-GEMM kernel's own copy for calls of a few rows (see pack_linear_layers).
         self.small_weight = _small_gemm_weight(weight) if small_gemm else None
+        # The dense weight for calls of BLAS_MIN_ROWS rows and more (F.linear), when asked for.
+        self.blas_weight = weight.contiguous() if blas else None
         # The collective that completes a tensor-parallel layer (framework.models.parallel).
         self.output_op = getattr(linear, "output_op", None)
         # The replaced module, its dense weight dropped, for unpack_linear_layers to put back (as a
@@ -155,10 +118,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = None if self.small_weight is None else small_linear(x, self.small_weight, self.bias)
+        if y is None and _blas_rows(x, self.blas_weight):
+            y = F.linear(x, self.blas_weight, self.bias)
         if y is None:
             # oneDNN wants a dense row-major input; the model's inputs already are, so this is free.
-            y = torch.ops.mkldnn._linear_pointwise(_padded_rows(x), self.packed_weight, self.bias, "none", [], "")
-            y = _unpadded(y, x)
+            y = torch.ops.mkldnn._linear_pointwise(padded_rows(x), self.packed_weight, self.bias, "none", [], "")
+            y = unpadded(y, x)
         return y if self.output_op is None else self.output_op(y)
 
     def forward_add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -171,10 +136,12 @@ class PackedLinear(nn.Module):
         y = None if self.small_weight is None else small_linear(x, self.small_weight, self.bias, add=other)
         if y is not None:
             return y
+        if _blas_rows(x, self.blas_weight):
+            return F.linear(x, self.blas_weight, self.bias).add_(other)  # the same bits as other + y
         y = torch.ops.mkldnn._linear_pointwise.binary(
-            _padded_rows(x), _padded_rows(other), self.packed_weight, self.bias, "add"
+            padded_rows(x), padded_rows(other), self.packed_weight, self.bias, "add"
         )
-        return _unpadded(y, x)
+        return unpadded(y, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -188,7 +155,7 @@ class PackedSwiGLU(nn.Module):
     runs in place on the gate's.
     """
 
-    def __init__(self, gate_up: nn.Linear, small_gemm: bool = False) -> None:
+    def __init__(self, gate_up: nn.Linear, small_gemm: bool = False, blas: bool = False) -> None:
         super().__init__()
         weight = gate_up.weight.detach()
         half = weight.shape[0] // 2
@@ -203,6 +170,9 @@ class PackedSwiGLU(nn.Module):
         self.small_bias = None if bias is None or not small_gemm else bias.detach().contiguous()
         # The kernel's fused SwiGLU needs the up rows to start a panel of its weight copy.
         self.small_swiglu = self.small_weight is not None and half % PANEL_COLS == 0
+        # Dense halves for calls of BLAS_MIN_ROWS rows and more (see PackedLinear).
+        self.blas_gate = weight[:half].contiguous() if blas else None
+        self.blas_up = weight[half:].contiguous() if blas else None
         object.__setattr__(self, "source", _without_weight(gate_up))  # see PackedLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,7 +187,11 @@ class PackedSwiGLU(nn.Module):
             if merged is not None:
                 gate, up = merged.split(self.out_features, dim=-1)
                 return F.silu(gate) * up
-        rows = _padded_rows(x)
+        if _blas_rows(x, self.blas_gate):
+            gate = F.linear(x, self.blas_gate, self.gate_bias)
+            F.silu(gate, inplace=True)
+            return gate.mul_(F.linear(x, self.blas_up, self.up_bias))
+        rows = padded_rows(x)
         gate = torch.ops.mkldnn._linear_pointwise(rows, self.gate, self.gate_bias, "none", [], "")
         # SiLU and the multiply in place into the gate output, as torch ops. oneDNN's "swish"
         # post-op on the gate GEMM measured 15-23% slower for the whole block at 16-1024 rows on
@@ -226,10 +200,15 @@ class PackedSwiGLU(nn.Module):
         # measured ~5% slower at 1 and 64 rows (equal at 1024), so the multiply stays separate too.
         F.silu(gate, inplace=True)
         gate.mul_(torch.ops.mkldnn._linear_pointwise(rows, self.up, self.up_bias, "none", [], ""))
-        return _unpadded(gate, x)
+        return unpadded(gate, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (silu(gate) * up)"
+
+
+def _blas_rows(x: torch.Tensor, blas_weight: torch.Tensor | None) -> bool:
+    """Whether a call with input ``x`` goes to ``F.linear`` on the dense copy (see BLAS_MIN_ROWS)."""
+    return blas_weight is not None and x.numel() >= BLAS_MIN_ROWS * x.shape[-1]
 
 
 def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -242,7 +221,7 @@ def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
     return residual + linear(x)
 
 
-def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...], small_gemm: bool) -> int:
+def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...], small_gemm: bool, blas: bool) -> int:
     """Give the MLPs that declare :class:`~framework.models.layers.FusableSwiGLU` a
     :class:`PackedSwiGLU`; a module that declares it but breaks its contract is an error."""
     from framework.models.layers import FusableSwiGLU, SiluAndMul
@@ -258,13 +237,14 @@ def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...], small_gemm: 
             raise TypeError(f"{type(module).__name__} declares FusableSwiGLU but has no nn.Linear gate_up_proj "
                             "and SiluAndMul act")
         if _packable(gate_up, dtypes) and getattr(gate_up, "output_op", None) is None:
-            module.gate_up_proj = PackedSwiGLU(gate_up, small_gemm=small_gemm)
+            module.gate_up_proj = PackedSwiGLU(gate_up, small_gemm=small_gemm, blas=blas)
             module.act = nn.Identity()
             fused += 1
     return fused
 
 
-def pack_linear_layers(model: nn.Module, small_gemm: bool = False, huge_pages: bool = True) -> int:
+def pack_linear_layers(model: nn.Module, small_gemm: bool = False, huge_pages: bool = True,
+                       blas: bool = False) -> int:
     """Replace every ``nn.Linear`` in ``model`` whose weight dtype is in :func:`packable_dtypes` by a
     :class:`PackedLinear` (and the merged SwiGLU projections of modules that declare
     :class:`~framework.models.layers.FusableSwiGLU` by a :class:`PackedSwiGLU`); return how many
@@ -276,15 +256,17 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False, huge_pages: b
     kernel's layout (:mod:`framework.kernels.small_gemm`), which runs calls of up to
     ``small_gemm.max_rows(dtype)`` rows (decode steps): faster there than oneDNN, at the price of a
     second copy of the linear weights. With ``huge_pages`` those copies go into one buffer on 2 MiB
-    pages where Linux offers them (:func:`gather_small_weights`).
+    pages where Linux offers them (:func:`gather_small_weights`). With ``blas`` they also keep the
+    dense weight, for calls of :data:`BLAS_MIN_ROWS` rows and more (``F.linear``): one more copy.
     """
     shared = _shared_parameter_ids(model)
     dtypes = packable_dtypes()
-    replaced = _fuse_swiglu(model, dtypes, small_gemm)
+    replaced = _fuse_swiglu(model, dtypes, small_gemm, blas)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _packable(child, dtypes):
-                packed = PackedLinear(child, keep_dense_weight=id(child.weight) in shared, small_gemm=small_gemm)
+                packed = PackedLinear(child, keep_dense_weight=id(child.weight) in shared, small_gemm=small_gemm,
+                                      blas=blas)
                 setattr(parent, name, packed)
                 replaced += 1
     # Every packed layer's copy, not only the new ones: after a repack of some layers (a weight
@@ -293,7 +275,8 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False, huge_pages: b
     # addresses at its first step.
     if small_gemm and huge_pages and replaced:
         gather_small_weights([m for m in model.modules() if isinstance(m, (PackedLinear, PackedSwiGLU))])
-    logger.info("packed %d linear layers for oneDNN%s", replaced, " (+ plain copies for small GEMMs)" * small_gemm)
+    logger.info("packed %d linear layers for oneDNN%s%s", replaced, " (+ plain copies for small GEMMs)" * small_gemm,
+                f" (+ dense copies for BLAS from {BLAS_MIN_ROWS} rows)" * blas)
     return replaced
 
 
@@ -374,7 +357,7 @@ def unpack_linear_layers(model: nn.Module, names: set[str] | None = None) -> int
             if names is not None and full not in names:
                 continue
             if isinstance(child, PackedLinear):
-                weight = child.weight
+                weight = child.weight if child.weight is not None else child.blas_weight
                 if weight is None and child.small_weight is not None:
                     weight = child.small_weight.dense()
                 if weight is None:
@@ -382,7 +365,9 @@ def unpack_linear_layers(model: nn.Module, names: set[str] | None = None) -> int
                 setattr(parent, name, _unpacked_linear(child.source, weight))
                 count += 1
             elif isinstance(child, PackedSwiGLU):
-                merged = None if child.small_weight is None else child.small_weight.dense()
+                merged = None if child.blas_gate is None else torch.cat([child.blas_gate, child.blas_up])
+                if merged is None and child.small_weight is not None:
+                    merged = child.small_weight.dense()
                 if merged is None:
                     dtype = child.gate.dtype
                     gate = _dense_from_packed(child.gate, child.in_features, dtype)

@@ -8,15 +8,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.models.cpu_linear import (
+    BLAS_MIN_ROWS,
     PackedLinear,
     PackedSwiGLU,
-    bucket_rows,
     linear_add,
     onednn_linear_available,
     pack_linear_layers,
     packable_dtypes,
+    unpack_linear_layers,
 )
 from framework.models.layers import FusableSwiGLU, SiluAndMul
+from framework.models.onednn_rows import bucket_rows
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -142,6 +144,35 @@ def test_swiglu_matches_separate_ops() -> None:
         up = torch.ops.mkldnn._linear_pointwise(x, fused.up, fused.up_bias, "none", [], "")
         assert torch.equal(fused(x), gate * up)
         assert torch.allclose(fused(x), SiluAndMul()(gate_up(x)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_blas_copies_take_the_large_calls(bias: bool) -> None:
+    """With ``blas``, calls of BLAS_MIN_ROWS rows and more are torch's ``F.linear`` on the dense
+    weight, bit for bit (the residual add and SwiGLU too); fewer rows stay on oneDNN, bit for bit;
+    unpacking gives back the exact dense weights."""
+    torch.manual_seed(11)
+    lin, gate_up = nn.Linear(48, 40, bias=bias), nn.Linear(48, 2 * 32, bias=bias)
+    dense, merged = lin.weight.detach().clone(), gate_up.weight.detach().clone()
+    packed, swiglu = PackedLinear(lin, blas=True), PackedSwiGLU(gate_up, blas=True)
+    for rows in (BLAS_MIN_ROWS - 1, BLAS_MIN_ROWS, 300):
+        x, residual = torch.randn(rows, 48), torch.randn(rows, 40)
+        with torch.no_grad():
+            onednn = torch.ops.mkldnn._linear_pointwise(x, packed.packed_weight, packed.bias, "none", [], "")
+            want = F.linear(x, dense, lin.bias) if rows >= BLAS_MIN_ROWS else onednn
+            assert torch.equal(packed(x), want)
+            assert torch.equal(packed(x.view(1, rows, 48)), want.view(1, rows, 40))
+            assert torch.equal(packed.forward_add(x, residual), residual + want)
+            if rows >= BLAS_MIN_ROWS:
+                gate = F.silu(F.linear(x, merged[:32], None if gate_up.bias is None else gate_up.bias[:32]))
+                up = F.linear(x, merged[32:], None if gate_up.bias is None else gate_up.bias[32:])
+                assert torch.equal(swiglu(x), gate * up)
+    model = _MLP(bias)
+    weights = [model.gate_up_proj.weight.detach().clone(), model.down_proj.weight.detach().clone()]
+    assert pack_linear_layers(model, blas=True) == 2
+    assert model.gate_up_proj.blas_gate is not None and model.down_proj.blas_weight is not None
+    assert unpack_linear_layers(model) == 2
+    assert torch.equal(model.gate_up_proj.weight, weights[0]) and torch.equal(model.down_proj.weight, weights[1])
 
 
 def test_row_counts_are_bucketed_to_a_bounded_set() -> None:

@@ -165,6 +165,36 @@ def test_greedy_equal_under_scheduler_variants(cases, make_engine, variant, arch
         assert eng.scheduler.cache_hit_tokens == 0
 
 
+@pytest.mark.parametrize("prefill_gemm", ["aten", "onednn"])
+def test_large_prefill_equals_transformers_on_either_gemm(cases, make_engine, monkeypatch, prefill_gemm):
+    """``device.cpu_prefill_gemm``: one prefill of eight 40-token prompts (320 rows, past
+    ``cpu_linear.BLAS_MIN_ROWS``) runs its GEMMs through ``F.linear`` on the dense copies (aten) or
+    oneDNN's packed weights; the greedy tokens are transformers' either way, and the chosen path
+    is the one that ran."""
+    from framework.models import cpu_linear
+
+    _, path, hf, _, _ = cases.get("llama_gqa")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(40)] for _ in range(8)]
+    expected = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                              pad_token_id=0)
+            expected.append(out[0, len(p):].tolist())
+    blas_calls: list[bool] = []
+    real = cpu_linear._blas_rows
+    monkeypatch.setattr(cpu_linear, "_blas_rows", lambda x, w: blas_calls.append(real(x, w)) or blas_calls[-1])
+    eng = make_engine(path, f"device.cpu_prefill_gemm={prefill_gemm}")
+    assert eng.runner.prefill_blas is (prefill_gemm == "aten")
+    params = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    rids = [eng.submit(p, params) for p in prompts]
+    eng.run_until_done(rids)
+    assert [eng._states.pop(r).output_ids for r in rids] == expected
+    assert any(blas_calls) is (prefill_gemm == "aten")
+
+
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_head_dim"])
 def test_bf16_kv_cache_kernel_equals_sdpa_path(cases, make_engine, arch):
     """``kv_cache.dtype=bfloat16`` on an fp32 model: cpu_paged's kernel reads the bf16 cache itself;

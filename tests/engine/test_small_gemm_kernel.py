@@ -357,6 +357,31 @@ def test_engine_setting_and_its_errors(tiny_model, engine_factory) -> None:
 
 
 @needs_onednn
+def test_prefill_gemm_setting(tiny_model, engine_factory, monkeypatch) -> None:
+    """``device.cpu_prefill_gemm``: auto keeps dense copies for BLAS for fp32 where torch's best
+    vector unit is AVX2, not where it is AVX-512, nor for bf16; explicit values are obeyed; an unknown
+    one names the key and the allowed values."""
+    from framework.errors import ConfigError
+
+    for capability, want in (("AVX2", True), ("AVX512", False)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        eng = engine_factory(tiny_model, "model.dtype=float32")
+        assert eng.runner.prefill_blas is want
+        assert eng.runner.describe()["cpu_prefill_gemm"] == ("aten" if want else "onednn")
+        layer = next(m for m in eng.runner.model.modules() if isinstance(m, PackedLinear))
+        assert (layer.blas_weight is not None) is want
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    if torch.bfloat16 in packable_dtypes():
+        assert engine_factory(tiny_model, "model.dtype=bfloat16").runner.prefill_blas is False
+    assert engine_factory(tiny_model, "device.cpu_prefill_gemm=onednn").runner.prefill_blas is False
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert engine_factory(tiny_model, "device.cpu_prefill_gemm=aten").runner.prefill_blas is True
+    assert engine_factory(tiny_model, "device.cpu_linear=aten").runner.describe()["cpu_prefill_gemm"] == "aten"
+    with pytest.raises(ConfigError, match=r"device.cpu_prefill_gemm.*expected one of \[auto, onednn, aten\]"):
+        engine_factory(tiny_model, "device.cpu_prefill_gemm=mkl")
+
+
+@needs_onednn
 @pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="oneDNN packs bf16 only on a CPU with native bf16")
 @pytest.mark.parametrize("rows", [1, 5, 9, 30])
 def test_packed_bf16_layers_agree_with_f_linear(rows: int) -> None:
