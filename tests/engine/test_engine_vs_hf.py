@@ -378,24 +378,31 @@ def test_abort_frees_everything(llama, make_engine, overlap):
         eng._states.pop(r)
 
 
-@pytest.mark.parametrize("backend", ["cpu_paged", "torch_native"])
-def test_mixed_steps_run_and_keep_outputs(cases, make_engine, register_plugin, backend):
-    """With ``scheduler.mixed_chunk`` the newcomers' prefill chunks share forwards with the running
-    requests' decode rows (the batch hooks see ``mixed`` batches), and the tokens stay transformers'."""
+def watch_batches(register_plugin) -> list:
+    """Register a plugin that records every scheduled batch's stats (``on_batch_scheduled``)."""
     from framework.hookspecs import hookimpl
 
-    modes: list[tuple[str, int]] = []
+    seen: list = []
 
     class Watch:
         @hookimpl
         def on_batch_scheduled(self, batch):
-            modes.append((batch.mode, batch.num_running))
+            seen.append(batch)
 
     register_plugin(Watch(), "watch-batches")
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_native"])
+def test_mixed_steps_run_and_keep_outputs(cases, make_engine, register_plugin, backend):
+    """With ``scheduler.mixed_chunk`` the newcomers' prefill chunks share forwards with the running
+    requests' decode rows (the batch hooks see ``mixed`` batches), and the tokens stay transformers'."""
+    batches = watch_batches(register_plugin)
     _, path, _, prompts, expected = cases.get("llama_gqa")
     eng = make_engine(path, f"attention.backend={backend}", "scheduler.mixed_chunk=true",
                       "scheduler.mixed_chunk_min_running=1", "scheduler.chunked_prefill_size=8")
     assert run_staggered(eng, prompts) == expected
+    modes = [(b.mode, b.num_running) for b in batches]
     mixed = [running for mode, running in modes if mode == "mixed"]
     assert mixed and max(mixed) >= 2, modes
 
@@ -404,21 +411,13 @@ def test_mixed_steps_wait_for_min_running(cases, make_engine, register_plugin):
     """``scheduler.mixed_chunk_min_running``: a prefill that finds fewer requests decoding runs
     alone; from that many on it is a mixed step, its budget ``mixed_chunk_max_tokens`` with the
     decode rows in it (not ``max_prefill_tokens``). Tokens stay transformers'."""
-    from framework.hookspecs import hookimpl
-
-    batches: list[tuple[str, int, int]] = []
-
-    class Watch:
-        @hookimpl
-        def on_batch_scheduled(self, batch):
-            batches.append((batch.mode, batch.num_running, batch.num_new_tokens))
-
-    register_plugin(Watch(), "watch-batches")
+    stats = watch_batches(register_plugin)
     _, path, _, prompts, expected = cases.get("llama_gqa")
     eng = make_engine(path, "scheduler.mixed_chunk=true", "scheduler.mixed_chunk_min_running=3",
                       "scheduler.max_prefill_tokens=8", "scheduler.mixed_chunk_max_tokens=20",
                       "scheduler.chunked_prefill_size=8", "scheduler.mixed_chunk_max_stalled_steps=null")
     assert run_staggered(eng, prompts) == expected
+    batches = [(b.mode, b.num_running, b.num_new_tokens) for b in stats]
     mixed = [(running, tokens) for mode, running, tokens in batches if mode == "mixed"]
     alone = [(running, tokens) for mode, running, tokens in batches if mode == "prefill"]
     assert mixed and alone, batches
@@ -434,22 +433,14 @@ def test_a_prefill_backlog_stalls_decoding_for_at_most_max_stalled_steps(cases, 
     waiting in chunks run as prefill-only steps while requests decode at most that many steps in a
     row; the next one mixes the decode rows in. null leaves only the threshold, which these
     prompts never reach: the stalls then run longer. Tokens stay transformers'."""
-    from framework.hookspecs import hookimpl
-
-    batches: list[tuple[str, int]] = []
-
-    class Watch:
-        @hookimpl
-        def on_batch_scheduled(self, batch):
-            batches.append((batch.mode, batch.num_running))
-
-    register_plugin(Watch(), "watch-batches")
+    stats = watch_batches(register_plugin)
     _, path, _, prompts, expected = cases.get("llama_gqa")
     setting = "null" if max_stalled is None else str(max_stalled)
     eng = make_engine(path, "scheduler.mixed_chunk=true", "scheduler.mixed_chunk_min_running=100",
                       "scheduler.max_prefill_tokens=4", "scheduler.chunked_prefill_size=4",
                       f"scheduler.mixed_chunk_max_stalled_steps={setting}")
     assert run_staggered(eng, prompts) == expected
+    batches = [(b.mode, b.num_running) for b in stats]
     longest = streak = 0
     for mode, running in batches:
         streak = streak + 1 if mode == "prefill" and running > 0 else 0
