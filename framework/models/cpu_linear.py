@@ -51,6 +51,7 @@ GFLOP/s MKL / oneDNN packed: 96 rows 112-135 / 140-146 (oneDNN ahead), 256 rows 
 eight 128-token prompts prefilled in 1097 ms against 1194 (medians of 8, alternating), the same
 first tokens. On the AVX-512 Zen 4 host the two measured equal at 1664 rows (docs/benchmarks.md)."""
 
+
 def packable_dtypes() -> tuple[torch.dtype, ...]:
     """Weight dtypes :func:`pack_linear_layers` packs here: fp32, plus bf16 where oneDNN has native
     bf16 kernels for this CPU (elsewhere it would emulate them, slower than ``F.linear``)."""
