@@ -104,6 +104,13 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)row + i, 0, 1);
 }
 
+/* Token t + PREFETCH_TOKENS's K or V row, or NULL past the unit's end: what the plain loops prefetch,
+ * a head's slice at a time. */
+static inline const void *row_ahead(const void *base, const int32_t *slots, int64_t t, int64_t len,
+                                    int64_t row_elems, int bf16) {
+    return t + PREFETCH_TOKENS < len ? kv_row(base, (int64_t)slots[t + PREFETCH_TOKENS] * row_elems, bf16) : NULL;
+}
+
 /* The rows of tokens [from, to) (clipped to len) of a unit's K or V, ahead of use. */
 static inline void prefetch_tokens(const void *base, const int32_t *slots, int64_t from, int64_t to, int64_t len,
                                    int64_t row_elems, int64_t row_bytes, int bf16) {
@@ -336,7 +343,7 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
          * passes spread theirs (see there): asking for the whole row at once, per token, took
          * 1.12-1.25x the time. AVX2-only Zen 3 host, the kernel alone over 12 layers on 2 MiB
          * pages, alternating in one process: 64 requests x 130-190 tokens 22.3-22.6 -> 25.0-25.5
-         * GB/s in three runs (18.9 -> 23.6 in a slower minute), 4 x 600 20.8 -> 23.2 GB/s;
+         * GB/s in three runs (18.9 -> 23.6 and 21.4 -> 26.7 in two more), 4 x 600 20.8 -> 23.2 GB/s;
          * 4, 10 or 16 rows ahead measured the same as 6; an AVX2 port of the blocked passes
          * (registers held per head over 8-token blocks) measured no faster than this (31.5 vs
          * 31.5 ms at 64 x 160, 7.21 vs 7.26 at 4 x 600). */
@@ -349,7 +356,7 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
         for (int64_t t = 0; t < len; ++t) {
 #endif
             const void *kr = kv_row(j->k, (int64_t)slots[t] * row_elems, bf16);
-            const void *ahead = t + PREFETCH_TOKENS < len ? kv_row(j->k, (int64_t)slots[t + PREFETCH_TOKENS] * row_elems, bf16) : NULL;
+            const void *ahead = row_ahead(j->k, slots, t, len, row_elems, bf16);
             for (int64_t qi = 0; qi < nq; ++qi) {
                 if (ahead && qi % group == 0) prefetch_row(kv_row(ahead, (qi / group) * d, bf16), head_bytes);
                 scores[qi * len + t] = dot(qb + qi * d, kv_row(kr, (qi / group) * d, bf16), d, bf16) * j->scale;
@@ -381,7 +388,7 @@ static inline __attribute__((always_inline)) void *run_units(job_t *j, int bf16)
         for (int64_t t = 0; t < len; ++t) {
 #endif
             const void *vr = kv_row(j->v, (int64_t)slots[t] * row_elems, bf16);
-            const void *ahead = t + PREFETCH_TOKENS < len ? kv_row(j->v, (int64_t)slots[t + PREFETCH_TOKENS] * row_elems, bf16) : NULL;
+            const void *ahead = row_ahead(j->v, slots, t, len, row_elems, bf16);
             for (int64_t qi = 0; qi < nq; ++qi) {
                 if (ahead && qi % group == 0) prefetch_row(kv_row(ahead, (qi / group) * d, bf16), head_bytes);
                 axpy(ob + qi * d, scores[qi * len + t], kv_row(vr, (qi / group) * d, bf16), d, bf16);
