@@ -44,6 +44,7 @@ class CpuPrefillGemm(Enum):
     auto = "auto"
     onednn = "onednn"
     aten = "aten"
+    kernel = "kernel"
 
 
 class DisaggregationMode(Enum):
@@ -100,13 +101,15 @@ class DeviceConfig:
     1.1-1.5x faster there than oneDNN on the 2-core test hosts), onednn (the packed weights alone),
     or auto (kernel when the copy takes at most a quarter of the memory available at load time)."""
     cpu_prefill_gemm: CpuPrefillGemm = CpuPrefillGemm.auto
-    """Linear calls of 256 rows and more (prefills, mixed steps) with onednn linears: onednn (the
-    packed weights), aten (torch's ``F.linear``, i.e. MKL's sgemm, on a dense copy of the weights
-    kept for it: one more copy of the linear weights), or auto (aten for fp32 on a CPU whose best
-    vector unit torch reports as AVX2, when the copy takes at most a quarter of the memory available
-    at load time; onednn elsewhere). On the AVX2-only Zen 3 host MKL ran those GEMMs 1.05-1.2x
-    faster than packed oneDNN (prefill of 8 x 128 tokens 0.92x the time); on the AVX-512 Zen 4 host
-    the two measured equal, and below ~200 rows oneDNN is ahead on both."""
+    """Linear calls past the small-GEMM kernel's rows (prefills, mixed steps) with onednn linears:
+    onednn (the packed weights), aten (torch's ``F.linear``, i.e. MKL's sgemm, from 256 rows on a
+    dense copy of the weights kept for it: one more copy), kernel (plugserve's blocked C GEMM on the
+    small-GEMM kernel's copy, fp32 on CPUs with AVX2 and FMA: no more copies), or auto (for fp32 on
+    a CPU whose best vector unit torch reports as AVX2: kernel when the small-GEMM copy is kept,
+    else aten when its copy takes at most a quarter of the memory available at load time; onednn
+    elsewhere). On the AVX2-only Zen 3 host the kernel ran llama-120m's GEMMs ~1.1x faster than
+    packed oneDNN at 128 rows and as fast as MKL or faster at 1,024; MKL beat oneDNN from 256 rows
+    (1.05-1.2x); on the AVX-512 Zen 4 host oneDNN and MKL measured equal."""
     cpu_fused_decode: bool = True
     """With the small-GEMM kernel on (``cpu_small_gemm``), decode steps of up to
     ``small_gemm.fused_max_rows`` rows (64 fp32 / 48 bf16 on AVX-512 builds, 14 bf16 with AMX, 64

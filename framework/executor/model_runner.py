@@ -22,6 +22,7 @@ from framework.executor.cuda_graph_runner import CudaGraphRunner, maybe_create_c
 from framework.executor.forward_batch import ForwardBatch
 from framework.executor.weights import ModelWeights
 from framework.kernels.huge_pages import huge_pages_available
+from framework.kernels.panel_gemm import kernel_available as panel_gemm_available
 from framework.kernels.small_gemm import kernel_available as small_gemm_available
 from framework.memory.heap import keep_freed_blocks, process_is_claimed
 from framework.memory.kv_allocator import PagedKVAllocator
@@ -99,7 +100,7 @@ class ModelRunner:
         self.weights = ModelWeights(self.model, model_comp.factory, model_options, self.hf_config, self.dtype,
                                     packed=self.linear_impl == "onednn", saver=self.memory_saver,
                                     small_gemm=self.small_gemm, huge_pages=settings.device.cpu_huge_pages,
-                                    prefill_blas=self.prefill_blas)
+                                    prefill_gemm=self.prefill_gemm)
 
         # This rank's KV heads: a tensor-parallel rank caches only the heads its attention computes.
         self.tp = get_tensor_parallel()
@@ -155,6 +156,7 @@ class ModelRunner:
     def _pack_cpu_linears(self, choice: str) -> str:
         """Swap linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
         self.small_gemm = self.prefill_blas = False
+        self.prefill_gemm = "aten"
         if self.device.type != "cpu" or choice == "aten":
             if self.settings.device.cpu_small_gemm.value == "kernel":
                 raise ConfigError("device.cpu_small_gemm: kernel needs device.cpu_linear onednn (or auto) on CPU; "
@@ -175,19 +177,33 @@ class ModelRunner:
                                   "allowed values: auto, kernel, onednn")
             return "aten"
         self.small_gemm = self._choose_small_gemm(self.settings.device.cpu_small_gemm.value)
-        self.prefill_blas = self._choose_prefill_blas(self.settings.device.cpu_prefill_gemm.value)
+        self.prefill_gemm = self._choose_prefill_gemm(self.settings.device.cpu_prefill_gemm.value)
+        self.prefill_blas = self.prefill_gemm == "aten"
         pack_linear_layers(self.model, small_gemm=self.small_gemm, huge_pages=self.settings.device.cpu_huge_pages,
-                           blas=self.prefill_blas)
+                           blas=self.prefill_blas, panel=self.prefill_gemm == "kernel")
         return "onednn"
 
-    def _choose_prefill_blas(self, choice: str) -> bool:
-        """Whether packed linears also keep their dense weights for ``F.linear`` on large calls
-        (``device.cpu_prefill_gemm``; see ``cpu_linear.BLAS_MIN_ROWS``)."""
+    def _choose_prefill_gemm(self, choice: str) -> str:
+        """What runs the packed linears' calls past the small-GEMM kernel's rows
+        (``device.cpu_prefill_gemm``): ``onednn``, ``aten`` (dense copies for ``F.linear`` from
+        ``cpu_linear.BLAS_MIN_ROWS`` rows) or ``kernel`` (the panel GEMM on the small-GEMM copy)."""
+        fp32 = self.dtype == torch.float32
+        if choice == "kernel" and not (fp32 and self.small_gemm and panel_gemm_available()):
+            raise ConfigError(
+                "device.cpu_prefill_gemm: kernel needs a float32 model, the small-GEMM weight copy "
+                "(device.cpu_small_gemm auto or kernel) and a C compiler with AVX2 and FMA "
+                f"(model dtype {str(self.dtype).removeprefix('torch.')}, small-GEMM copy: {self.small_gemm}, "
+                f"kernel available: {panel_gemm_available()}); allowed values: auto, onednn, aten, kernel")
         if choice != "auto":
-            return choice == "aten"
-        avx2_only = torch.backends.cpu.get_cpu_capability() == "AVX2"
+            return choice
+        # Measured ahead only where torch's best vector unit is AVX2 (the Zen 3 host); oneDNN's
+        # AVX-512 kernels were as fast as MKL on the Zen 4 one (docs/benchmarks.md).
+        if not (fp32 and torch.backends.cpu.get_cpu_capability() == "AVX2"):
+            return "onednn"
+        if self.small_gemm and panel_gemm_available():
+            return "kernel"  # no extra copy: it reads the decode steps' one
         extra = small_gemm_extra_bytes(self.model) * (2 if self.small_gemm else 1)
-        return self.dtype == torch.float32 and avx2_only and extra <= available_memory_bytes() // 4
+        return "aten" if extra <= available_memory_bytes() // 4 else "onednn"
 
     def _choose_small_gemm(self, choice: str) -> bool:
         """Whether packed fp32 linears also keep a plain copy for the small-GEMM kernel."""
@@ -287,7 +303,7 @@ class ModelRunner:
             "memory_pool": self.settings.memory_pool.name,
             "cpu_linear": self.linear_impl,
             "cpu_small_gemm": self.small_gemm,
-            "cpu_prefill_gemm": "aten" if self.prefill_blas else self.linear_impl,
+            "cpu_prefill_gemm": self.prefill_gemm,
             "cpu_fused_decode": self.fused_decode,
             "cpu_keep_freed_memory": self.keeps_freed_memory,
             "cpu_huge_pages": self.small_gemm and self.settings.device.cpu_huge_pages and huge_pages_available(),

@@ -47,14 +47,14 @@ class ModelWeights:
 
     def __init__(self, model: nn.Module, factory: Any, options: Any, hf_config: Any, dtype: torch.dtype,
                  packed: bool, saver: MemorySaver, small_gemm: bool = False, huge_pages: bool = True,
-                 prefill_blas: bool = False) -> None:
+                 prefill_gemm: str = "onednn") -> None:
         self.model = model
         self._factory, self._options, self._hf_config = factory, options, hf_config
         self.dtype = dtype
         self.packed = packed
         self.small_gemm = small_gemm  # packing again keeps the plain copies the first packing made
         self.huge_pages = huge_pages  # ... and puts them on huge pages as it did (device.cpu_huge_pages)
-        self.prefill_blas = prefill_blas  # ... and keeps the dense copies for large GEMMs (cpu_prefill_gemm)
+        self.prefill_gemm = prefill_gemm  # ... and runs large GEMMs as before (cpu_prefill_gemm)
         self.saver = saver
         self._skeleton: nn.Module | None = None
         self.released = False
@@ -160,7 +160,7 @@ class ModelWeights:
             yield
         finally:
             pack_linear_layers(self.model, small_gemm=self.small_gemm, huge_pages=self.huge_pages,
-                               blas=self.prefill_blas)
+                               blas=self.prefill_gemm == "aten", panel=self.prefill_gemm == "kernel")
             trim_heap()  # the dense copies just freed would otherwise stay in the heap
 
     # -- reads -------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ class ModelWeights:
         self.saver.resume("weights")
         if self.packed and not self.saver.preserves_addresses:
             pack_linear_layers(self.model, small_gemm=self.small_gemm, huge_pages=self.huge_pages,
-                               blas=self.prefill_blas)
+                               blas=self.prefill_gemm == "aten", panel=self.prefill_gemm == "kernel")
             # The saver must not keep the dense copies alive: the packed layers replaced them.
             self.saver.track("weights", [], keep_contents=True)
             trim_heap()

@@ -660,14 +660,6 @@ static int panel_rows(const gemm_args *a, int64_t p, int64_t next, int prefetche
     return next_panel != NULL;
 }
 
-/* silu(g) = g / (1 + exp(-g)), with exp taken of -|g| only (exp_nonpositive: plain arithmetic the
- * compiler vectorises, where a libm expf call per element was ~5% of a 64-row decode step): for
- * g < 0 it is g e / (1 + e) with e = exp(g), the same quotient multiplied through by e. */
-static inline float silu(float g) {
-    const float e = exp_nonpositive(g < 0.0f ? g : -g);
-    return (g < 0.0f ? g * e : g) / (1.0f + e);
-}
-
 /* act[m, n] = silu(gate) * up for n in [n_begin, n_end), gate = y[m, n], up = y[m, half + n], as
  * torch's F.silu(gate) * up (in fp32; its vectorised exp and exp_nonpositive differ by about an
  * ulp), and in bf16 with silu and the product each rounded to bf16, as two bf16 torch ops round. */

@@ -9,7 +9,9 @@ oneDNN's inner-product primitive with the weight reordered once into its blocked
 needs neither AVX-512 nor bf16 instructions: it asks torch what oneDNN supports here. Reordering
 costs a copy per weight at load time and nothing per call. (Later, on an AVX2-only Zen 3 host, MKL
 ran the prefill-sized GEMMs faster than the packed weights: layers packed with ``blas`` keep their
-dense weights for those calls too, see :data:`BLAS_MIN_ROWS` and ``device.cpu_prefill_gemm``.)
+dense weights for those calls too, see :data:`BLAS_MIN_ROWS` and ``device.cpu_prefill_gemm``; layers
+packed with ``panel`` send them to plugserve's own blocked GEMM on the small-GEMM copy instead,
+:mod:`framework.kernels.panel_gemm`, as fast as MKL there with no further copy.)
 
 Row counts: oneDNN builds (and caches, in two LRU caches of 1024 entries) one primitive per input
 shape, so packed GEMMs run at a bounded set of row counts (:func:`bucket_rows`): with a new count
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.kernels.huge_pages import empty_on_huge_pages, huge_pages_available
+from framework.kernels.panel_gemm import panel_linear
 from framework.kernels.small_gemm import PANEL_COLS, PanelWeight, pack_weight, small_linear
 from framework.models.onednn_rows import padded_rows, unpadded
 
@@ -98,7 +101,7 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, keep_dense_weight: bool = False, small_gemm: bool = False,
-                 blas: bool = False) -> None:
+                 blas: bool = False, panel: bool = False) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.in_features = linear.in_features
@@ -111,6 +114,8 @@ class PackedLinear(nn.Module):
         self.small_weight = _small_gemm_weight(weight) if small_gemm else None
         # The dense weight for calls of BLAS_MIN_ROWS rows and more (F.linear), when asked for.
         self.blas_weight = weight.contiguous() if blas else None
+        # Calls past the small-GEMM kernel's rows to the panel GEMM, on the same copy (fp32).
+        self.panel = panel and self.small_weight is not None
         # The collective that completes a tensor-parallel layer (framework.models.parallel).
         self.output_op = getattr(linear, "output_op", None)
         # The replaced module, its dense weight dropped, for unpack_linear_layers to put back (as a
@@ -119,6 +124,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = None if self.small_weight is None else small_linear(x, self.small_weight, self.bias)
+        if y is None and self.panel:
+            y = panel_linear(x, self.small_weight, self.bias)
         if y is None and _blas_rows(x, self.blas_weight):
             y = F.linear(x, self.blas_weight, self.bias)
         if y is None:
@@ -135,6 +142,8 @@ class PackedLinear(nn.Module):
         if self.output_op is not None:
             return other + self.forward(x)
         y = None if self.small_weight is None else small_linear(x, self.small_weight, self.bias, add=other)
+        if y is None and self.panel:
+            y = panel_linear(x, self.small_weight, self.bias, add=other)
         if y is not None:
             return y
         if _blas_rows(x, self.blas_weight):
@@ -156,7 +165,7 @@ class PackedSwiGLU(nn.Module):
     runs in place on the gate's.
     """
 
-    def __init__(self, gate_up: nn.Linear, small_gemm: bool = False, blas: bool = False) -> None:
+    def __init__(self, gate_up: nn.Linear, small_gemm: bool = False, blas: bool = False, panel: bool = False) -> None:
         super().__init__()
         weight = gate_up.weight.detach()
         half = weight.shape[0] // 2
@@ -171,6 +180,7 @@ class PackedSwiGLU(nn.Module):
         self.small_bias = None if bias is None or not small_gemm else bias.detach().contiguous()
         # The kernel's fused SwiGLU needs the up rows to start a panel of its weight copy.
         self.small_swiglu = self.small_weight is not None and half % PANEL_COLS == 0
+        self.panel = panel and self.small_swiglu  # see PackedLinear
         # Dense halves for calls of BLAS_MIN_ROWS rows and more (see PackedLinear).
         self.blas_gate = weight[:half].contiguous() if blas else None
         self.blas_up = weight[half:].contiguous() if blas else None
@@ -181,6 +191,8 @@ class PackedSwiGLU(nn.Module):
             # A few rows: the GEMM, SiLU and product in one C call (as torch ops they were ~20 us a
             # layer at batch 1, with the strided halves of the merged output).
             act = small_linear(x, self.small_weight, self.small_bias, swiglu=True)
+            if act is None and self.panel:
+                act = panel_linear(x, self.small_weight, self.small_bias, swiglu=True)
             if act is not None:
                 return act
         elif self.small_weight is not None:
@@ -222,7 +234,7 @@ def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
     return residual + linear(x)
 
 
-def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...], small_gemm: bool, blas: bool) -> int:
+def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...], small_gemm: bool, blas: bool, panel: bool) -> int:
     """Give the MLPs that declare :class:`~framework.models.layers.FusableSwiGLU` a
     :class:`PackedSwiGLU`; a module that declares it but breaks its contract is an error."""
     from framework.models.layers import FusableSwiGLU, SiluAndMul
@@ -238,14 +250,14 @@ def _fuse_swiglu(model: nn.Module, dtypes: tuple[torch.dtype, ...], small_gemm: 
             raise TypeError(f"{type(module).__name__} declares FusableSwiGLU but has no nn.Linear gate_up_proj "
                             "and SiluAndMul act")
         if _packable(gate_up, dtypes) and getattr(gate_up, "output_op", None) is None:
-            module.gate_up_proj = PackedSwiGLU(gate_up, small_gemm=small_gemm, blas=blas)
+            module.gate_up_proj = PackedSwiGLU(gate_up, small_gemm=small_gemm, blas=blas, panel=panel)
             module.act = nn.Identity()
             fused += 1
     return fused
 
 
 def pack_linear_layers(model: nn.Module, small_gemm: bool = False, huge_pages: bool = True,
-                       blas: bool = False) -> int:
+                       blas: bool = False, panel: bool = False) -> int:
     """Replace every ``nn.Linear`` in ``model`` whose weight dtype is in :func:`packable_dtypes` by a
     :class:`PackedLinear` (and the merged SwiGLU projections of modules that declare
     :class:`~framework.models.layers.FusableSwiGLU` by a :class:`PackedSwiGLU`); return how many
@@ -259,15 +271,17 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False, huge_pages: b
     second copy of the linear weights. With ``huge_pages`` those copies go into one buffer on 2 MiB
     pages where Linux offers them (:func:`gather_small_weights`). With ``blas`` they also keep the
     dense weight, for calls of :data:`BLAS_MIN_ROWS` rows and more (``F.linear``): one more copy.
+    With ``panel`` (and ``small_gemm``) the fp32 calls past the small-GEMM kernel's rows go to the
+    panel GEMM (:mod:`framework.kernels.panel_gemm`) on that same copy.
     """
     shared = _shared_parameter_ids(model)
     dtypes = packable_dtypes()
-    replaced = _fuse_swiglu(model, dtypes, small_gemm, blas)
+    replaced = _fuse_swiglu(model, dtypes, small_gemm, blas, panel)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _packable(child, dtypes):
                 packed = PackedLinear(child, keep_dense_weight=id(child.weight) in shared, small_gemm=small_gemm,
-                                      blas=blas)
+                                      blas=blas, panel=panel)
                 setattr(parent, name, packed)
                 replaced += 1
     # Every packed layer's copy, not only the new ones: after a repack of some layers (a weight
@@ -276,8 +290,9 @@ def pack_linear_layers(model: nn.Module, small_gemm: bool = False, huge_pages: b
     # addresses at its first step.
     if small_gemm and huge_pages and replaced:
         gather_small_weights([m for m in model.modules() if isinstance(m, (PackedLinear, PackedSwiGLU))])
-    logger.info("packed %d linear layers for oneDNN%s%s", replaced, " (+ plain copies for small GEMMs)" * small_gemm,
-                f" (+ dense copies for BLAS from {BLAS_MIN_ROWS} rows)" * blas)
+    logger.info("packed %d linear layers for oneDNN%s%s%s", replaced, " (+ plain copies for small GEMMs)" * small_gemm,
+                f" (+ dense copies for BLAS from {BLAS_MIN_ROWS} rows)" * blas,
+                " (panel GEMM past the small-GEMM rows)" * (panel and small_gemm))
     return replaced
 
 

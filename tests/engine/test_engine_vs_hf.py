@@ -165,14 +165,18 @@ def test_greedy_equal_under_scheduler_variants(cases, make_engine, variant, arch
         assert eng.scheduler.cache_hit_tokens == 0
 
 
-@pytest.mark.parametrize("prefill_gemm", ["aten", "onednn"])
+@pytest.mark.parametrize("prefill_gemm", ["aten", "onednn", "kernel"])
 def test_large_prefill_equals_transformers_on_either_gemm(cases, make_engine, monkeypatch, prefill_gemm):
     """``device.cpu_prefill_gemm``: one prefill of eight 40-token prompts (320 rows, past
-    ``cpu_linear.BLAS_MIN_ROWS``) runs its GEMMs through ``F.linear`` on the dense copies (aten) or
-    oneDNN's packed weights; the greedy tokens are transformers' either way, and the chosen path
-    is the one that ran."""
+    ``cpu_linear.BLAS_MIN_ROWS`` and the small-GEMM kernel's rows) runs its GEMMs through
+    ``F.linear`` on the dense copies (aten), oneDNN's packed weights, or the panel GEMM on the
+    small-GEMM copy (kernel); the greedy tokens are transformers' each way, and the chosen path is
+    the one that ran."""
+    from framework.kernels import panel_gemm
     from framework.models import cpu_linear
 
+    if prefill_gemm == "kernel" and not panel_gemm.kernel_available():
+        pytest.skip("the panel GEMM needs a C compiler and a CPU with AVX2 and FMA")
     _, path, hf, _, _ = cases.get("llama_gqa")
     rng = random.Random(5)
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(40)] for _ in range(8)]
@@ -184,15 +188,22 @@ def test_large_prefill_equals_transformers_on_either_gemm(cases, make_engine, mo
                               pad_token_id=0)
             expected.append(out[0, len(p):].tolist())
     blas_calls: list[bool] = []
-    real = cpu_linear._blas_rows
-    monkeypatch.setattr(cpu_linear, "_blas_rows", lambda x, w: blas_calls.append(real(x, w)) or blas_calls[-1])
+    panel_rows: list[int] = []
+    real_blas, real_panel = cpu_linear._blas_rows, cpu_linear.panel_linear
+    monkeypatch.setattr(cpu_linear, "_blas_rows", lambda x, w: blas_calls.append(real_blas(x, w)) or blas_calls[-1])
+    monkeypatch.setattr(cpu_linear, "panel_linear",
+                        lambda x, *a, **kw: panel_rows.append(x.shape[0]) or real_panel(x, *a, **kw))
     eng = make_engine(path, f"device.cpu_prefill_gemm={prefill_gemm}")
-    assert eng.runner.prefill_blas is (prefill_gemm == "aten")
+    assert eng.runner.prefill_gemm == prefill_gemm and eng.runner.prefill_blas is (prefill_gemm == "aten")
     params = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
     rids = [eng.submit(p, params) for p in prompts]
     eng.run_until_done(rids)
     assert [eng._states.pop(r).output_ids for r in rids] == expected
     assert any(blas_calls) is (prefill_gemm == "aten")
+    # The decoder layers' projections saw all 320 rows: four a layer, but only QKV in the last one,
+    # whose attention output is needed at each prompt's last row only.
+    layers = hf.config.num_hidden_layers
+    assert (panel_rows.count(320) == 4 * layers - 3) is (prefill_gemm == "kernel")
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_head_dim"])

@@ -358,26 +358,35 @@ def test_engine_setting_and_its_errors(tiny_model, engine_factory) -> None:
 
 @needs_onednn
 def test_prefill_gemm_setting(tiny_model, engine_factory, monkeypatch) -> None:
-    """``device.cpu_prefill_gemm``: auto keeps dense copies for BLAS for fp32 where torch's best
-    vector unit is AVX2, not where it is AVX-512, nor for bf16; explicit values are obeyed; an unknown
-    one names the key and the allowed values."""
+    """``device.cpu_prefill_gemm``: auto picks the panel GEMM for fp32 where torch's best vector unit
+    is AVX2 and the small-GEMM copy is kept (dense copies for BLAS when it is not), oneDNN where the
+    unit is AVX-512 and for bf16; explicit values are obeyed; ``kernel`` without what it needs, or an
+    unknown value, is an error naming the key and the allowed values."""
     from framework.errors import ConfigError
+    from framework.kernels import panel_gemm
 
-    for capability, want in (("AVX2", True), ("AVX512", False)):
+    kernel = panel_gemm.kernel_available()
+    cases = (("AVX2", (), "kernel" if kernel else "aten"), ("AVX2", ("device.cpu_small_gemm=onednn",), "aten"),
+             ("AVX512", (), "onednn"))
+    for capability, extra, want in cases:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        eng = engine_factory(tiny_model, "model.dtype=float32")
-        assert eng.runner.prefill_blas is want
-        assert eng.runner.describe()["cpu_prefill_gemm"] == ("aten" if want else "onednn")
+        eng = engine_factory(tiny_model, "model.dtype=float32", *extra)
+        assert eng.runner.prefill_gemm == want and eng.runner.describe()["cpu_prefill_gemm"] == want
         layer = next(m for m in eng.runner.model.modules() if isinstance(m, PackedLinear))
-        assert (layer.blas_weight is not None) is want
+        assert (layer.blas_weight is not None) is (want == "aten") and layer.panel is (want == "kernel")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     if torch.bfloat16 in packable_dtypes():
-        assert engine_factory(tiny_model, "model.dtype=bfloat16").runner.prefill_blas is False
+        assert engine_factory(tiny_model, "model.dtype=bfloat16").runner.prefill_gemm == "onednn"
     assert engine_factory(tiny_model, "device.cpu_prefill_gemm=onednn").runner.prefill_blas is False
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert engine_factory(tiny_model, "device.cpu_prefill_gemm=aten").runner.prefill_blas is True
+    if kernel:
+        assert engine_factory(tiny_model, "device.cpu_prefill_gemm=kernel").runner.prefill_gemm == "kernel"
     assert engine_factory(tiny_model, "device.cpu_linear=aten").runner.describe()["cpu_prefill_gemm"] == "aten"
-    with pytest.raises(ConfigError, match=r"device.cpu_prefill_gemm.*expected one of \[auto, onednn, aten\]"):
+    with pytest.raises(ConfigError, match=r"device.cpu_prefill_gemm: kernel needs .*small-GEMM weight copy.*"
+                                          r"allowed values: auto, onednn, aten, kernel"):
+        engine_factory(tiny_model, "device.cpu_small_gemm=onednn", "device.cpu_prefill_gemm=kernel")
+    with pytest.raises(ConfigError, match=r"device.cpu_prefill_gemm.*expected one of \[auto, onednn, aten, kernel\]"):
         engine_factory(tiny_model, "device.cpu_prefill_gemm=mkl")
 
 
