@@ -1,15 +1,15 @@
 /* fp32 GEMMs of many rows (prefill) on the small-GEMM kernel's panel-packed weights, for CPUs with
  * AVX2 and FMA: y = x W^T (+ bias) (+ add), or silu(gate) * up for a merged [gate; up] weight.
  *
- * Why: on the AVX2-only Zen 3 host (2 cores, 204 GFLOP/s of FMA peak) oneDNN's packed GEMM ran
- * llama-120m's prefill shapes at 110-150 GFLOP/s and MKL's sgemm at 100-175, so a 128-token prompt
- * took ~150 ms of GEMMs. small_gemm.c streams each weight panel past every input row, which is
+ * Why: on the AVX2-only Zen 3 host (2 cores; a bare FMA loop ran 77-101 GFLOP/s a core) oneDNN's
+ * packed GEMM ran llama-120m's prefill shapes at 110-150 GFLOP/s and MKL's sgemm at 100-175, so a
+ * 128-token prompt took ~150 ms of GEMMs. small_gemm.c streams each weight panel past every input row, which is
  * right for a decode step's few rows but re-reads the whole input (out of L2 once it passes ~100
  * rows) for every panel. This file blocks the loops the way BLIS's Haswell kernels do:
  *   - the input is copied once into tiles of MR rows, k-major (a tile's k-th MR values adjacent),
  *     zero-padded to whole tiles and to the weight's padded K;
- *   - the threads split the output columns (half panels of NR = 16 columns), each reading the
- *     shared input copy;
+ *   - the threads take units of work (a row block x CHUNK_HALVES half panels of NR = 16
+ *     columns) from a shared counter, all reading the shared input copy;
  *   - rows go in blocks of MC_TILES tiles and K in blocks of KC, so a row block's slice of the
  *     input copy (MC x KC floats, ~96 KB) stays in L2 while a half panel's KC x 16 weights
  *     (16 KB) stay in L1 across the row block's tiles;
