@@ -219,9 +219,22 @@ static void run_shared(const args_t *a, int64_t halves, int64_t *counter) {
 
 /* The input copy's and the SwiGLU sums' buffers, kept between calls and grown as needed (one set
  * per calling thread): a fresh multi-megabyte allocation is a fresh mapping whose first writes
- * page-fault, which cost more than the copy itself. */
+ * page-fault, which cost more than the copy itself. A buffer past KEEP_BYTES (a long prompt's
+ * chunk on a wide model) is freed after its call instead: there the faults are a small share of
+ * the call, and a process should not hold that much for the rare step that needed it. */
+#ifndef KEEP_BYTES
+#define KEEP_BYTES ((size_t)64 << 20)
+#endif
 static __thread float *copy_buffer, *sums_buffer;
 static __thread size_t copy_floats, sums_floats;
+
+static void release_if_large(float **buffer, size_t *have) {
+    if (*have * sizeof(float) > KEEP_BYTES) {
+        free(*buffer);
+        *buffer = NULL;
+        *have = 0;
+    }
+}
 
 static float *grown(float **buffer, size_t *have, size_t floats) {
     if (floats > *have) {
@@ -266,8 +279,13 @@ static int panel_gemm_any(const float *x, int64_t ldx, const float *w, const flo
     pack_input(x, ldx, xp, M, K, Kp, 0, tiles);
     run_shared(&a, halves, &counter);
 #endif
+    release_if_large(&copy_buffer, &copy_floats);
+    release_if_large(&sums_buffer, &sums_floats);
     return 0;
 }
+
+/* Bytes this thread's buffers hold between calls (tests check that large calls give theirs back). */
+int64_t panel_gemm_held_bytes(void) { return (int64_t)((copy_floats + sums_floats) * sizeof(float)); }
 
 int panel_gemm(const float *x, int64_t ldx, const float *w, const float *bias, const float *add, int64_t ld_add,
                float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t Kp, int threads) {

@@ -41,6 +41,7 @@ def _load() -> ctypes.CDLL | None:
     lib.panel_gemm.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_int]
     lib.panel_gemm_swiglu.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int]
     lib.panel_gemm.restype = lib.panel_gemm_swiglu.restype = lib.panel_gemm_vector.restype = ctypes.c_int
+    lib.panel_gemm_held_bytes.restype = ctypes.c_int64
     return lib
 
 
@@ -50,6 +51,13 @@ def kernel_available() -> bool:
     not use it unless ``vector_only`` is off)."""
     lib = _load()
     return lib is not None and bool(lib.panel_gemm_vector())
+
+
+def held_bytes() -> int:
+    """Bytes of input copy and SwiGLU sums the calling thread keeps between calls (at most
+    ``KEEP_BYTES`` in the C, 64 MiB: a larger call's buffers are freed after it)."""
+    lib = _load()
+    return 0 if lib is None else int(lib.panel_gemm_held_bytes())
 
 
 def panel_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None,

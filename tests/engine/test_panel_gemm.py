@@ -35,6 +35,7 @@ def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     for name in ("panel_gemm", "panel_gemm_swiglu", "panel_gemm_vector"):
         getattr(lib, name).argtypes = getattr(native, name).argtypes
         getattr(lib, name).restype = ctypes.c_int
+    lib.panel_gemm_held_bytes.restype = ctypes.c_int64
     assert lib.panel_gemm_vector() == (request.param == "native" and panel_gemm.kernel_available())
     monkeypatch.setattr(panel_gemm, "_load", lambda: lib)
     return request.param
@@ -114,6 +115,22 @@ def test_results_do_not_depend_on_threads_or_on_the_call() -> None:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
     assert torch.equal(panel_gemm.panel_linear(small, w), one[0])
+
+
+@needs_vector
+def test_buffers_kept_between_calls_are_bounded() -> None:
+    """The input copy and SwiGLU sums stay allocated between calls (a fresh mapping page-faults),
+    but a call past 64 MiB of them frees them afterwards: the process keeps only what small calls
+    need."""
+    torch.manual_seed(6)
+    w = small_gemm.pack_weight(torch.randn(64, 256))
+    panel_gemm.panel_linear(torch.randn(100, 256), w, swiglu=True)
+    assert 100 * 256 * 4 <= panel_gemm.held_bytes() <= 64 << 20  # (earlier calls may have grown them)
+    wide = small_gemm.pack_weight(torch.randn(2048, 256))
+    x = torch.randn(9000, 256)  # sums alone: 9000 x 2048 x 4 bytes = 70 MiB
+    _check(panel_gemm.panel_linear(x, wide, swiglu=True), x, wide.dense(), swiglu=True)
+    assert panel_gemm.held_bytes() <= 64 << 20
+    assert panel_gemm.held_bytes() >= 9000 * 256 * 4  # the 9 MiB input copy stays
 
 
 def test_declines_what_it_does_not_take() -> None:
