@@ -155,7 +155,7 @@ class ModelRunner:
 
     def _pack_cpu_linears(self, choice: str) -> str:
         """Swap linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
-        self.small_gemm = self.prefill_blas = False
+        self.small_gemm = False
         self.prefill_gemm = "aten"
         if self.device.type != "cpu" or choice == "aten":
             if self.settings.device.cpu_small_gemm.value == "kernel":
@@ -178,10 +178,14 @@ class ModelRunner:
             return "aten"
         self.small_gemm = self._choose_small_gemm(self.settings.device.cpu_small_gemm.value)
         self.prefill_gemm = self._choose_prefill_gemm(self.settings.device.cpu_prefill_gemm.value)
-        self.prefill_blas = self.prefill_gemm == "aten"
         pack_linear_layers(self.model, small_gemm=self.small_gemm, huge_pages=self.settings.device.cpu_huge_pages,
-                           blas=self.prefill_blas, panel=self.prefill_gemm == "kernel")
+                           blas=self.prefill_gemm == "aten", panel=self.prefill_gemm == "kernel")
         return "onednn"
+
+    @property
+    def prefill_blas(self) -> bool:
+        """Whether the packed linears keep dense copies for ``F.linear`` on large calls (aten)."""
+        return self.linear_impl == "onednn" and self.prefill_gemm == "aten"
 
     def _choose_prefill_gemm(self, choice: str) -> str:
         """What runs the packed linears' calls past the small-GEMM kernel's rows
