@@ -66,9 +66,11 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     assert excess.max() <= 0, f"off by {(got.double() - y).abs().flatten()[excess.argmax()]:.3g} past the bound"
 
 
-# Row counts around the 6-row tiles and the 96-row blocks, K around the 8-column padding and the
-# 256-deep K blocks (600 = two whole blocks and a partial one), N of 1-3 panels and half panels.
-SHAPES = [(1, 48, 8), (5, 64, 100), (7, 16, 600), (65, 96, 257), (97, 32, 768), (200, 80, 64), (300, 64, 520)]
+# Row counts around the 6-row tiles and the row blocks (at most 32 tiles, split evenly: 192 rows one
+# block, 193 two of 17 and 16 tiles, 400 three of 23, 23 and 21), K around the 8-column padding and
+# the 256-deep K blocks (600 = two whole blocks and a partial one), N of 1-3 panels and half panels.
+SHAPES = [(1, 48, 8), (5, 64, 100), (7, 16, 600), (65, 96, 257), (97, 32, 768), (192, 48, 40), (193, 80, 64),
+          (300, 64, 520), (400, 48, 40)]
 
 
 @pytest.mark.parametrize("rows,n,k", SHAPES)
