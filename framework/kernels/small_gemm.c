@@ -175,7 +175,7 @@ static inline void store_row(const gemm_args *a, int64_t panel, int64_t m, const
  * rows 0.94-0.95x, 64 rows 0.97-0.99x, 16 and 32 rows 0.99-1.0x; bf16 16 rows 0.95x, 24 0.93x, 32
  * 0.95x, 48 0.93x. At one block (up to 12 rows) it measured 1.03-1.06x slower at 4 and 8 rows
  * (fp32), so those keep rows, and so do the scalar tiles and AVX2's full-panel ones; AVX2's half
- * tiles take blocks from HALF_XB_MIN_ROWS rows. */
+ * tiles always take blocks (HALF_XB_MIN_ROWS). */
 #if defined(SMALL_GEMM_VECTOR) && MR_MAX > 6
 #define X_BLOCKED 1
 #else
@@ -419,9 +419,15 @@ static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int pref
  * AVX-512 tiles have it from 13 rows), so a tile's broadcasts read one stream rather than one per
  * row. llama-120m's 49 decode GEMMs on the AVX2 Zen 3 host, three alternating A/Bs against the
  * row-major copy: 64 rows 0.88-0.93x the time, 48 0.92x, 32 0.92-0.96x, 24 0.96x, 16 0.94-0.99x,
- * 8 0.89-1.06x, 3-6 0.97x; whole decode steps varied more with the host than between the two. */
+ * 8 0.89-1.06x, 3-6 0.97x; whole decode steps varied more with the host than between the two, and
+ * blocks were taken from 24 rows only. Later, the 12 layers' GEMMs with SwiGLU and the LM head from
+ * memory, 40 runs each, every run next to one of the row-major build (paired, so both see the same
+ * moment of this noisy host; median of the 40 time ratios): 3 rows 0.98x, 4 1.01x, 6 0.96x, 8
+ * 0.97x, 10 0.96x, 12 0.93x, 16 0.91x (faster in 40 of 40 pairs), 20 0.95x; whole fused decode
+ * steps of llama-120m, paired the same way (30 pairs): 4 rows 0.99x, 8 0.99x, 12 0.95x, 16 0.92x
+ * (faster in 28 of 30). So every half-tile call takes blocks. */
 #ifndef HALF_XB_MIN_ROWS
-#define HALF_XB_MIN_ROWS 24
+#define HALF_XB_MIN_ROWS HALF_MIN_ROWS
 #endif
 
 INLINE void tile_f32_half(const gemm_args *a, int64_t panel, int half, int64_t m0, const int mr, const int blocked,
