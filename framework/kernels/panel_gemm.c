@@ -45,8 +45,8 @@
  * engine, alternating builds in one process, against blocks of 16 tiles with the rest in a last
  * smaller one: one 128-token prompt 0.93x the time (faster in 16 of 16 rounds; one block of 22
  * tiles where it was 16 + 6), two 0.95x; 192 rows 1.01x and eight prompts (1,024 rows) 1.00x, as
- * before. Blocks of 24 tiles took 0.97x-0.98x the time of 32 at 192 and 1,024 rows, and 48 were
- * 1.05x slower at 1,024 rows. */
+ * before. Blocks of at most 32 tiles took 0.98x and 0.97x the time of at most 24 at 192 and 1,024
+ * rows, and 48 took 1.05x the time of 32 at 1,024 rows. */
 #ifndef MC_TILES
 #define MC_TILES 32
 #endif
