@@ -638,7 +638,7 @@ static int panel_rows(const gemm_args *a, int64_t p, int64_t next, int prefetche
     }
 #endif
 #ifdef HALF_TILES
-    if (!a->bf16 && a->M >= HALF_MIN_ROWS) { /* row-major input, or blocked from HALF_XB_MIN_ROWS rows */
+    if (!a->bf16 && a->M >= HALF_MIN_ROWS) { /* the input blocked k-major (HALF_XB_MIN_ROWS) */
         return half_panel_rows(a, p, next, prefetched);
     }
 #endif
