@@ -39,6 +39,7 @@ def add_bench_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_one_batch)
 
     # Commands defined in their own modules (imports stay light: argparse only until run).
+    from framework.bench.ab import add_ab_command
     from framework.bench.gemv import add_gemv_command
     from framework.bench.membw import add_membw_commands
     from framework.bench.pd import add_pd_command
@@ -58,6 +59,7 @@ def add_bench_commands(sub: Any) -> None:
     add_tp_command(bench_sub, common)
     add_membw_commands(bench_sub, common, output_args)
     add_gemv_command(bench_sub, common)
+    add_ab_command(bench_sub, common)
     _add_entry_point_commands(bench_sub, common)
 
 
