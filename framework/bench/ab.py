@@ -5,8 +5,9 @@ two separately measured medians cannot resolve a 5% change. This command keeps *
 alive at once, each in its own process with its own engine, and interleaves their samples: every
 sample of B runs right next to one of A, in alternating order (AB, BA, AB, ...), so drift over
 seconds hits both sides of a pair alike. The figure is the median of the per-pair ratios B/A, with
-the number of pairs B won and an exact two-sided sign-test p-value (how likely a split at least
-that uneven is when A and B are equally fast).
+the number of pairs B won, an exact two-sided sign-test p-value (how likely a split at least that
+uneven is when A and B are equally fast) and the sign test's 95% confidence interval for the median
+ratio (order statistics of the ratios: no assumption about the noise's distribution).
 
 A side is a source tree: ``--a``/``--b`` name a directory that holds ``framework/`` (a checkout or
 worktree) or a git revision of the running tree's repository, exported with ``git archive``. The
@@ -166,6 +167,19 @@ def sign_test_p(wins: int, n: int) -> float:
     return min(1.0, 2 * tail / 2**n)
 
 
+def median_ci_ranks(n: int, level: float = 0.95) -> tuple[int, int] | None:
+    """1-based ranks ``(lo, hi)`` of the sorted pairs' ratios that bound a distribution-free
+    confidence interval for their median (the sign test's: the median lies below the lo-th smallest
+    ratio, or above the hi-th, with chance at most ``1 - level``); ``None`` when ``n`` pairs are too
+    few for any interval at that level."""
+    alpha = (1 - level) / 2
+    below, k = 0.0, 0  # below: P(Binomial(n, 1/2) <= k - 1)
+    while k < n and below + math.comb(n, k) / 2**n <= alpha:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return (k, n - k + 1) if k >= 1 else None
+
+
 def paired_summary(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
     """Medians of each side, the median of the per-pair ratios B/A, and how often B was faster."""
     if len(a) != len(b) or not a:
@@ -173,6 +187,7 @@ def paired_summary(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
     ratios = [tb / ta for ta, tb in zip(a, b, strict=True)]
     wins = sum(r < 1 for r in ratios)
     decided = sum(r != 1 for r in ratios)  # a tie favours neither side
+    ordered, ranks = sorted(ratios), median_ci_ranks(len(ratios))
     return {
         "pairs": len(ratios),
         "a_median_ms": round(statistics.median(a) * 1e3, 3),
@@ -180,6 +195,7 @@ def paired_summary(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
         "ratio_b_over_a": round(statistics.median(ratios), 4),
         "b_faster_pairs": wins,
         "sign_test_p": round(sign_test_p(wins, decided), 5),
+        "ratio_ci95": [round(ordered[ranks[0] - 1], 4), round(ordered[ranks[1] - 1], 4)] if ranks else None,
         "ratios": [round(r, 4) for r in ratios],
     }
 
@@ -243,6 +259,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
               "overrides": list(args.overrides), **environment(), **result}
     append_result(args.output, record)
     print(json.dumps({k: v for k, v in result.items() if k != "ratios"}, indent=2))
-    print(f"B/A = {result['ratio_b_over_a']:.3f} (median of {result['pairs']} paired ratios; B faster in "
+    ci = result["ratio_ci95"]
+    interval = f", 95% interval {ci[0]:.3f}-{ci[1]:.3f}" if ci else ""
+    print(f"B/A = {result['ratio_b_over_a']:.3f} (median of {result['pairs']} paired ratios{interval}; B faster in "
           f"{result['b_faster_pairs']}/{result['pairs']}, sign test p = {result['sign_test_p']:.3g})")
     return 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.bench.ab import paired_summary, running_tree, sign_test_p, source_tree
+from framework.bench.ab import median_ci_ranks, paired_summary, running_tree, sign_test_p, source_tree
 from framework.cli.main import main
 
 REPO = running_tree()
@@ -40,6 +40,24 @@ def test_sign_test_p_matches_enumerating_every_outcome(n: int) -> None:
         assert sign_test_p(wins, n) == pytest.approx(as_uneven / len(outcomes))
 
 
+def _binomial_cdf(k: int, n: int) -> float:
+    """P(Binomial(n, 1/2) <= k), by counting every outcome of n fair coins."""
+    return sum(sum(o) <= k for o in itertools.product((0, 1), repeat=n)) / 2**n
+
+
+@pytest.mark.parametrize("n", [1, 5, 6, 9, 10, 14])
+def test_median_interval_ranks_are_the_tightest_with_95_percent_coverage(n: int) -> None:
+    ranks = median_ci_ranks(n)
+    if ranks is None:  # not even the extreme ratios bound the median with 95%
+        assert 1 - 2 * _binomial_cdf(0, n) < 0.95
+        return
+    lo, hi = ranks
+    assert hi == n - lo + 1
+    # The median lies outside [r_lo, r_hi] when at most lo - 1 ratios fall below it (or above).
+    assert 1 - 2 * _binomial_cdf(lo - 1, n) >= 0.95
+    assert lo + 1 > hi - 1 or 1 - 2 * _binomial_cdf(lo, n) < 0.95  # one rank tighter falls short
+
+
 def test_paired_summary_uses_per_pair_ratios() -> None:
     # The medians of the sides would call these equal; every pair says B is 20% faster.
     a = [1.0, 3.0, 2.0, 10.0, 5.0]
@@ -51,6 +69,10 @@ def test_paired_summary_uses_per_pair_ratios() -> None:
     assert summary["a_median_ms"] == pytest.approx(3000.0) and summary["b_median_ms"] == pytest.approx(2400.0)
     with pytest.raises(ValueError):
         paired_summary([1.0], [1.0, 2.0])
+    assert summary["ratio_ci95"] is None  # 5 pairs are too few for a 95% interval
+    spread = [0.70 + 0.01 * i for i in range(10)]  # ratios 0.70 .. 0.79, shuffled into pairs
+    ten = paired_summary([1.0] * 10, spread[::-1])
+    assert ten["ratio_ci95"] == pytest.approx([0.71, 0.78])  # ranks 2 and 9 of 10
 
 
 def test_source_tree_rejects_what_is_not_a_tree(tmp_path: Path) -> None:
