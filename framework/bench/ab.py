@@ -80,8 +80,11 @@ def source_tree(spec: str | None, repo: Path, workdir: Path, label: str) -> tupl
         if not (path / "framework").is_dir():
             raise ValueError(f"--{label} {spec!r}: directory has no framework/ package")
         return path.resolve(), f"tree {path.resolve()}"
-    rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}"],
-                         capture_output=True, text=True)
+    try:
+        rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}"],
+                             capture_output=True, text=True)
+    except OSError as exc:
+        raise ValueError(f"--{label} {spec!r} is not a directory, and git cannot run here: {exc}") from None
     if rev.returncode != 0:
         raise ValueError(f"--{label} {spec!r} is neither a directory nor a git revision of {repo}")
     commit = rev.stdout.strip()
@@ -106,7 +109,9 @@ class Side:
         # The tree goes first on the path: its ``framework`` and plugins win over the installed ones.
         env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), *worker_args], cwd=tree, env=env,
+        # The working directory stays the caller's, so relative paths in overrides mean what they
+        # meant on the command line; imports come from PYTHONPATH, not from it.
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), *worker_args], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, bufsize=1)
         try:
