@@ -143,6 +143,7 @@ class Side:
         return message + "\n" + "\n".join(f"  [{self.label}] {line}" for line in tail)
 
     def request(self, command: str) -> dict[str, Any]:
+        """Send one command (``sample`` or ``finish``) and return the worker's reply."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
@@ -152,6 +153,7 @@ class Side:
         return reply
 
     def close(self) -> None:
+        """End the worker (its stdin closes, so its command loop ends) and close its log."""
         if self.proc.poll() is None:
             try:
                 if self.proc.stdin:
@@ -186,7 +188,8 @@ def median_ci_ranks(n: int, level: float = 0.95) -> tuple[int, int] | None:
 
 
 def paired_summary(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
-    """Medians of each side, the median of the per-pair ratios B/A, and how often B was faster."""
+    """Medians of each side, the median of the per-pair ratios B/A with its 95% interval, how often
+    B was faster and the sign test's p-value for that split."""
     if len(a) != len(b) or not a:
         raise ValueError("paired samples need equally many, at least one, times per side")
     ratios = [tb / ta for ta, tb in zip(a, b, strict=True)]
