@@ -222,10 +222,12 @@ def run_pairs(a: Side, b: Side, pairs: int, gap_s: float = 0.0) -> tuple[list[fl
 def _worker_args(args: argparse.Namespace, extra: Sequence[str]) -> list[str]:
     out = ["--workload", args.workload, "--rows", str(args.rows), "--input-len", str(args.input_len),
            "--samples", str(args.pairs), "--warm-steps", str(args.warm_steps)]
-    for flag in ("model_path", "random_model", "config"):
-        value = getattr(args, flag)
-        if value:
-            out += ["--" + flag.replace("_", "-"), str(Path(value).resolve()) if flag != "random_model" else value]
+    if args.random_model:
+        out += ["--random-model", args.random_model]
+    if args.model_path:
+        out += ["--model-path", str(Path(args.model_path).resolve())]
+    if args.config:
+        out += ["--config", str(Path(args.config).resolve())]
     return [*out, "--", *args.overrides, *extra]
 
 

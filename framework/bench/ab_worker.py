@@ -2,9 +2,9 @@
 
 The driver (:mod:`framework.bench.ab`) starts this file as a script with ``PYTHONPATH`` set to the
 side's source tree, so ``framework`` and the plugins are imported from *that* tree (an older
-revision, or a working tree with uncommitted changes). Only long-lived engine API is used here
-(``engine_from_args``, ``random_dataset``, ``Engine.submit/step/run_until_done/flush_cache``), so an
-older tree without this file still runs it.
+revision, or a working tree with uncommitted changes). Only long-lived API is used here
+(``engine_from_args``, ``greedy_params``, ``_warm_up``, ``random_dataset``,
+``Engine.submit/step/run_until_done/flush_cache``), so an older tree without this file runs it.
 
 Protocol, one JSON object per line on the original stdout (everything else the process prints goes
 to stderr):
@@ -32,21 +32,18 @@ import time  # noqa: E402
 from typing import Any, TextIO  # noqa: E402
 
 
-def _greedy(output_len: int) -> dict[str, Any]:
-    return {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
-
-
 class DecodeWorkload:
     """``rows`` requests decoding together; one sample is one engine step (a decode step of
     ``rows`` rows). Both sides step in lockstep, so paired samples see the same context lengths."""
 
     def __init__(self, engine: Any, rows: int, input_len: int, samples: int, warm_steps: int) -> None:
         from framework.bench.datasets import random_dataset
+        from framework.bench.offline import greedy_params
 
         self.engine = engine
         # Every request outlives the run: the decode batch keeps ``rows`` rows for every sample.
         reqs = random_dataset(rows, input_len, warm_steps + samples + 2, engine.runner.vocab_size, seed=1)
-        self.rids = [engine.submit(r.input_ids, _greedy(r.output_len)) for r in reqs]
+        self.rids = [engine.submit(r.input_ids, greedy_params(r.output_len)) for r in reqs]
         sched = engine.scheduler
         while sched.waiting or sched.chunked:  # the prompts' prefill is not timed
             engine.step()
@@ -77,11 +74,12 @@ class PrefillWorkload:
 
     def _run(self) -> float:
         from framework.bench.datasets import random_dataset
+        from framework.bench.offline import greedy_params
 
         reqs = random_dataset(self.rows, self.input_len, 1, self.engine.runner.vocab_size, seed=1000 + self.index)
         self.index += 1
         start = time.perf_counter()
-        rids = [self.engine.submit(r.input_ids, _greedy(1)) for r in reqs]
+        rids = [self.engine.submit(r.input_ids, greedy_params(1)) for r in reqs]
         self.engine.run_until_done(rids)
         elapsed = time.perf_counter() - start
         self.first_tokens.append([self.engine._states.pop(rid).output_ids[0] for rid in rids])
@@ -121,14 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
-    from framework.bench.offline import engine_from_args
+    import framework
+    from framework.bench.offline import _warm_up, engine_from_args
 
     engine, _ = engine_from_args(args)
-    engine.generate(list(range(10, 42)), _greedy(4))  # lazy initialisation stays out of the timing
-    engine.flush_cache()
+    _warm_up(engine)  # lazy initialisation stays out of the timing
     workload = WORKLOADS[args.workload](engine, args.rows, args.input_len, args.samples, args.warm_steps)
-    import framework
-
     _send(channel, {"ready": True, "model": engine.runner.describe(), "samples": args.samples,
                     "framework": str(Path(framework.__file__).resolve().parent)})
     for line in sys.stdin:
