@@ -27,6 +27,9 @@ from typing import Any
 
 BACKENDS = ("nccl", "mooncake", "nixl")
 LIBRARY_MODULE = {"nccl": "torch.distributed", "mooncake": "mooncake.engine", "nixl": "nixl._api"}
+LAYOUTS = ("whole", "tp1-to-tp2", "tp2-to-tp1")
+"""Head layouts of ``bench transfer-heads``: both sides whole, or one side holding half the heads
+(defined here, not in the torch-importing peer, so the CLI parser stays light)."""
 
 
 def add_transfer_command(bench_sub: Any, common_output: Callable[[argparse.ArgumentParser], None]) -> None:

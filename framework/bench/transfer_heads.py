@@ -21,8 +21,15 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from framework.bench.transfer import BACKENDS, LIBRARY_MODULE, _installed, page_layout, run_backend, summarize_backend
-from framework.bench.transfer_peer import LAYOUTS
+from framework.bench.transfer import (
+    BACKENDS,
+    LAYOUTS,
+    LIBRARY_MODULE,
+    _installed,
+    page_layout,
+    run_backend,
+    summarize_backend,
+)
 
 
 def add_transfer_heads_command(bench_sub: Any, common_output: Callable[[argparse.ArgumentParser], None]) -> None:

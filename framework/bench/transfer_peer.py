@@ -65,7 +65,6 @@ class Spec:
         return whole if self.layout == "whole" else whole // 2
 
 
-LAYOUTS = ("whole", "tp1-to-tp2", "tp2-to-tp1")
 HEADS = {("whole", "prefill"): 8, ("whole", "decode"): 8, ("tp1-to-tp2", "prefill"): 8,
          ("tp1-to-tp2", "decode"): 4, ("tp2-to-tp1", "prefill"): 4, ("tp2-to-tp1", "decode"): 8}
 """KV heads each side's cache holds, per layout."""

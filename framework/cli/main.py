@@ -90,12 +90,18 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from framework.plugins import get_plugins
+    from framework.server.prestart import PrestartedProcess
 
-    cfg = _resolve(args)
-    get_plugins().raise_for_errors()
-    from framework.server.launcher import serve
+    # The first scheduler's interpreter imports torch while this one resolves the config.
+    scheduler = PrestartedProcess()
+    try:
+        cfg = _resolve(args)
+        get_plugins().raise_for_errors()
+        from framework.server.launcher import serve
 
-    return serve(cfg)
+        return serve(cfg, scheduler)
+    finally:
+        scheduler.cancel()  # a no-op once the launcher handed it its work
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from framework.server.image_inputs import ImageFrontend
     from framework.server.metrics import ServerMetrics
+    from framework.server.prestart import PrestartedProcess
     from framework.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("plugserve.server")
@@ -78,11 +79,16 @@ def _write_child_config(cfg: DictConfig, run_dir: str) -> str:
     return str(path)
 
 
-def serve(cfg: DictConfig) -> int:
-    """Run the server until SIGINT/SIGTERM (exit status 0) or a failure (1)."""
+def serve(cfg: DictConfig, prestarted: PrestartedProcess | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM (exit status 0) or a failure (1). ``prestarted``
+    becomes the first scheduler process (the caller cancels it if it is not used)."""
     settings = to_settings(cfg)
     level = settings.server.log_level.upper()
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s [http] %(levelname)s %(name)s: %(message)s")
+    problem = _model_path_problem(settings.model.path)
+    if problem:
+        logger.error("model.path: %s", problem)
+        return EXIT_FAILED
     if settings.parallel.node_rank > 0:
         return _serve_follower_node(cfg, settings)
     try:
@@ -91,7 +97,17 @@ def serve(cfg: DictConfig) -> int:
         logger.error("cannot listen on %s:%s: %s", settings.server.host, settings.server.port, exc)
         return EXIT_FAILED
     with sock, tempfile.TemporaryDirectory(prefix="plugserve-") as run_dir:
-        return asyncio.run(_serve(cfg, settings, sock, run_dir))
+        return asyncio.run(_serve(cfg, settings, sock, run_dir, prestarted))
+
+
+def _model_path_problem(path: str) -> str | None:
+    """Why ``model.path`` cannot be a checkpoint, or None. Checked before any scheduler runs (the
+    prestarted one waits for work), so a mistyped path is one line, not also its traceback."""
+    if not Path(path).is_dir():
+        return f"{path} is not a directory (plugserve loads a local Hugging Face checkpoint)"
+    if not (Path(path) / "config.json").is_file():
+        return f"{path} has no config.json (not a Hugging Face checkpoint)"
+    return None
 
 
 def _serve_follower_node(cfg: DictConfig, settings: PlugserveConfig) -> int:
@@ -105,43 +121,37 @@ def _serve_follower_node(cfg: DictConfig, settings: PlugserveConfig) -> int:
         return run_node_followers(settings, _write_child_config(cfg, run_dir))
 
 
-async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket, run_dir: str) -> int:
-    from transformers import AutoTokenizer
-
-    from framework.models.loader import load_generation_config
-    from framework.server.metrics import ServerMetrics
-    from framework.server.tokenizer_manager import SchedulerStartError, TokenizerManager
-
+async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket, run_dir: str,
+                 prestarted: PrestartedProcess | None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    model = settings.model
-    try:
-        tokenizer = None if model.skip_tokenizer_init else AutoTokenizer.from_pretrained(
-            model.tokenizer_path or model.path)
-    except Exception as exc:  # a wrong path is a user error: one line, not a traceback
-        logger.error("cannot load the tokenizer of %s: %s", model.tokenizer_path or model.path, exc)
-        return EXIT_FAILED
-    from framework.server.state import served_model_name
-
-    metrics = ServerMetrics(served_model_name(settings), settings.server.sglang_metric_names)
     dp_size = settings.parallel.dp_size
     endpoints = [(f"ipc://{run_dir}/to_scheduler_{r}", f"ipc://{run_dir}/from_scheduler_{r}") for r in range(dp_size)]
-    manager = TokenizerManager(tokenizer, metrics, endpoints, settings.parallel.load_balance_method.value)
     config_path = _write_child_config(cfg, run_dir)
-    spawn = multiprocessing.get_context("spawn")
-    procs: list[BaseProcess] = [spawn.Process(
-        target=scheduler_process.main,
-        args=(config_path, to_addr, from_addr, os.getpid(), settings.server.log_level, rank),
-        name=f"plugserve-scheduler-dp{rank}" if dp_size > 1 else "plugserve-scheduler",
-        daemon=True,  # multiprocessing's exit handler terminates it even on an unexpected exit path
-    ) for rank, (to_addr, from_addr) in enumerate(endpoints)]
+    procs: list[BaseProcess] = []
     exited = asyncio.Event()
+    manager: TokenizerManager | None = None
     try:
-        for proc in procs:
-            proc.start()
-            loop.add_reader(proc.sentinel, exited.set)
+        # The schedulers start first: their imports and model load (seconds) then overlap this
+        # process's own imports and tokenizer load on the other core. They connect to sockets the
+        # manager binds below; ZMQ queues their first messages until it does.
+        for rank, (to_addr, from_addr) in enumerate(endpoints):
+            args = (config_path, to_addr, from_addr, os.getpid(), settings.server.log_level, rank)
+            procs.append(_start_scheduler(args, f"plugserve-scheduler-dp{rank}" if dp_size > 1 else
+                                          "plugserve-scheduler", prestarted if rank == 0 else None))
+            loop.add_reader(procs[-1].sentinel, exited.set)
+        loaded = _load_tokenizer(settings)
+        if loaded is None:
+            return EXIT_FAILED
+        tokenizer, generation_defaults = loaded
+        from framework.server.metrics import ServerMetrics
+        from framework.server.state import served_model_name
+        from framework.server.tokenizer_manager import SchedulerStartError, TokenizerManager
+
+        metrics = ServerMetrics(served_model_name(settings), settings.server.sglang_metric_names)
+        manager = TokenizerManager(tokenizer, metrics, endpoints, settings.parallel.load_balance_method.value)
         try:
             info = await _wait_ready(manager, procs, stop, exited, settings.server.scheduler_start_timeout_s)
         except SchedulerStartError as exc:
@@ -150,12 +160,12 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
         if info is None:
             return EXIT_OK if stop.is_set() else EXIT_FAILED
         manager.start()
-        app = _make_app(cfg, settings, tokenizer, manager, metrics, info, load_generation_config(model.path))
+        app = _make_app(cfg, settings, tokenizer, manager, metrics, info, generation_defaults)
         server = _http_server(app, settings, manager)
         freeze_startup_objects("HTTP server")
         watch = loop.create_task(_watch(server, manager, procs, stop, exited))
         host, port = sock.getsockname()[:2]
-        logger.info("serving %s on http://%s:%s (scheduler pid %s)", model.path, host, port,
+        logger.info("serving %s on http://%s:%s (scheduler pid %s)", settings.model.path, host, port,
                     ", ".join(str(p.pid) for p in procs))
         await server.serve(sockets=[sock])
         watch.cancel()
@@ -165,7 +175,41 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
             if proc.pid is not None:  # started (an unstarted one has no sentinel)
                 loop.remove_reader(proc.sentinel)
         await _stop_schedulers(manager, procs, settings.server.shutdown_timeout_s)
-        await manager.close()
+        if manager is not None:
+            await manager.close()
+
+
+def _start_scheduler(args: tuple[Any, ...], name: str, prestarted: PrestartedProcess | None) -> BaseProcess:
+    """A scheduler process running ``scheduler_process.main(*args)``: the prestarted one if
+    given, else a fresh spawn."""
+    if prestarted is not None:
+        proc = prestarted.run(scheduler_process.main, args)
+        proc.name = name
+        return proc
+    proc = multiprocessing.get_context("spawn").Process(
+        target=scheduler_process.main, args=args, name=name,
+        daemon=True,  # multiprocessing's exit handler terminates it even on an unexpected exit path
+    )
+    proc.start()
+    return proc
+
+
+def _load_tokenizer(settings: PlugserveConfig) -> tuple[Any, dict[str, Any]] | None:
+    """The tokenizer (None with ``model.skip_tokenizer_init``) and the model's generation
+    defaults; None after logging why the tokenizer cannot load (a wrong path is a user error:
+    one line, not a traceback)."""
+    from transformers import AutoTokenizer
+
+    from framework.models.loader import load_generation_config
+
+    model = settings.model
+    try:
+        tokenizer = None if model.skip_tokenizer_init else AutoTokenizer.from_pretrained(
+            model.tokenizer_path or model.path)
+    except Exception as exc:
+        logger.error("cannot load the tokenizer of %s: %s", model.tokenizer_path or model.path, exc)
+        return None
+    return tokenizer, load_generation_config(model.path)
 
 
 def _http_server(app: Starlette, settings: PlugserveConfig, manager: TokenizerManager) -> uvicorn.Server:
@@ -287,10 +331,11 @@ async def _watch(server: uvicorn.Server, manager: TokenizerManager, procs: list[
     server.should_exit = True
 
 
-async def _stop_schedulers(manager: TokenizerManager, procs: list[BaseProcess], grace_s: float) -> None:
-    """Shutdown message, then SIGTERM, then SIGKILL, to all at once; returns once all are gone."""
+async def _stop_schedulers(manager: TokenizerManager | None, procs: list[BaseProcess], grace_s: float) -> None:
+    """Shutdown message (when the manager was made), then SIGTERM, then SIGKILL, to all at once;
+    returns once all are gone."""
     procs = [p for p in procs if p.pid is not None]  # a failed start may leave some unstarted
-    if any(p.is_alive() for p in procs):
+    if manager is not None and any(p.is_alive() for p in procs):
         try:
             await asyncio.wait_for(manager.shutdown_scheduler(), 1.0)
         except Exception:  # the socket may be gone already; escalate below

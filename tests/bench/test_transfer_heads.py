@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.bench.transfer import LIBRARY_MODULE
-from framework.bench.transfer_peer import LAYOUTS
+from framework.bench.transfer import LAYOUTS, LIBRARY_MODULE
 from framework.cli.main import main
 
 

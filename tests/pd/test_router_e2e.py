@@ -174,34 +174,39 @@ def wait_for_workers(url: str, count: int, timeout_s: float = 120.0) -> dict:
     raise TimeoutError(f"sglang-router did not register {count} healthy workers: {info}")
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "power_of_two"])
-def test_sglang_router_pd_mode_fronts_plugserve(workload, tmp_path, policy):
-    """Both policies end to end; ``power_of_two`` also polls each server's ``/get_load`` (every 30 s,
-    so a run this short sees its first poll only; the shape itself is checked in tests/server)."""
+def test_sglang_router_pd_mode_fronts_plugserve(workload, tmp_path):
+    """Both policies end to end, one router after the other in front of one PD pair;
+    ``power_of_two`` also polls each server's ``/get_load`` (every 30 s, so a run this short sees
+    its first poll only; the shape itself is checked in tests/server)."""
     exe = sglang_router_python()
     if exe is None:
         pytest.skip("sglang_router is not importable here and $SGLANG_ROUTER_PYTHON names no interpreter that has "
                     "it (pip install sglang-router==0.3.2 into a separate venv)")
     prefill, decode, b_port = start_pd_servers(tmp_path, workload[0], "nccl")
-    r_port = free_port()
-    router = spawn(["--pd-disaggregation", "--prefill", prefill.url, str(b_port), "--decode", decode.url,
-                    "--host", "127.0.0.1", "--port", str(r_port), "--policy", policy,
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-                   tmp_path / "sglang-router.log", r_port, exe=[exe, "-m", "sglang_router.launch_router"])
     try:
         prefill.wait_healthy()
         decode.wait_healthy()
-        workers = wait_for_workers(router.url, 2)
-        # it reads the served model name from plugserve's /server_info
-        assert {w["model_id"] for w in workers["workers"]} == {"model"}, workers
-        assert {w["worker_type"] for w in workers["workers"]} == {"prefill", "decode"}
-        # sglang-router 0.3.2 takes a completion prompt as a string or strings only (422 for token ids)
-        run_workload(router.url, workload, "sglang-router", text_prompt=True)
-        time.sleep(0.5)
-        assert_no_leak(prefill)
-        assert_no_leak(decode)
+        for policy in ("round_robin", "power_of_two"):
+            r_port = free_port()
+            router = spawn(["--pd-disaggregation", "--prefill", prefill.url, str(b_port), "--decode", decode.url,
+                            "--host", "127.0.0.1", "--port", str(r_port), "--policy", policy,
+                            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                           tmp_path / f"sglang-router-{policy}.log", r_port,
+                           exe=[exe, "-m", "sglang_router.launch_router"])
+            try:
+                workers = wait_for_workers(router.url, 2)
+                # it reads the served model name from plugserve's /server_info
+                assert {w["model_id"] for w in workers["workers"]} == {"model"}, (policy, workers)
+                assert {w["worker_type"] for w in workers["workers"]} == {"prefill", "decode"}
+                # sglang-router 0.3.2 takes a completion prompt as a string or strings only (422 for token ids)
+                run_workload(router.url, workload, f"sglang-router {policy}", text_prompt=True)
+                time.sleep(0.5)
+                assert_no_leak(prefill)
+                assert_no_leak(decode)
+            finally:
+                router.stop(timeout=20)
     finally:
-        for s in (router, prefill, decode):
+        for s in (prefill, decode):
             s.stop(timeout=20)
 
 
