@@ -81,3 +81,15 @@ def test_the_prestarted_scheduler_is_the_servers_child(main_server: Server) -> N
     stat = Path(f"/proc/{pid}/stat").read_text()
     parent = int(stat.rsplit(")", 1)[1].split()[1])
     assert parent == main_server.proc.pid
+
+
+def test_building_a_model_imports_no_dynamo(tiny_model: Path) -> None:
+    """``build_model`` builds on the meta device: an op computed there (an embedding's random init,
+    a rotary table) runs through torch._refs and imports torch._dynamo, 0.7 s of every
+    scheduler's start. The weights and tables are all filled after materialising."""
+    code = ("import sys; from framework import Engine; "
+            f"e = Engine(overrides=['model.path={tiny_model}', 'kv_cache.max_total_tokens=256'], progress=False); "
+            "e.generate([[5, 6, 7]], {'max_new_tokens': 2}); print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
