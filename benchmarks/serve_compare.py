@@ -103,6 +103,12 @@ def round_order(systems: list[str], round_index: int) -> list[str]:
     return list(systems) if round_index % 2 == 0 else list(reversed(systems))
 
 
+def round_label(system: str, round_index: int, rounds: int) -> str:
+    """How a sweep's output and server log name it: ``vllm`` for a single round, ``vllm-round1``
+    with several."""
+    return f"{system}-round{round_index}" if rounds > 1 else system
+
+
 def sweep(system: str, args: argparse.Namespace, model: str, vocab_size: int, logs: Path,
           round_index: int = 0) -> list[dict[str, Any]]:
     """Start ``system``'s server, run every concurrency level against it, stop it; one row per level."""
@@ -112,8 +118,8 @@ def sweep(system: str, args: argparse.Namespace, model: str, vocab_size: int, lo
 
     port = _free_port()
     cmd, env = _server_command(system, args, model, port)
-    suffix = f"-round{round_index}" if args.rounds > 1 else ""
-    server = Process([], port, logs / f"{system}{suffix}.log", command=cmd, env=env)
+    label = round_label(system, round_index, args.rounds)
+    server = Process([], port, logs / f"{label}.log", command=cmd, env=env)
     rows: list[dict[str, Any]] = []
     try:
         started = time.monotonic()
@@ -132,7 +138,7 @@ def sweep(system: str, args: argparse.Namespace, model: str, vocab_size: int, lo
                          "round": round_index, "max_concurrency": level, "num_prompts": count, "prompt_format": "ids",
                          "request_rate": "inf", "dtype": args.dtype, "input_len": args.input_len,
                          "output_len": args.output_len, "temperature": args.temperature, **result})
-            print(f"{system}{suffix} c={level}: {result['output_throughput']} tok/s, median TPOT "
+            print(f"{label} c={level}: {result['output_throughput']} tok/s, median TPOT "
                   f"{result.get('median_tpot_ms')} ms, median TTFT {result.get('median_ttft_ms')} ms"
                   + (f", {result['failed']} failed: {result['first_error']}" if result["failed"] else ""))
     finally:

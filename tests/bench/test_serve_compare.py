@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serve_compare import comparison_table, round_order, rounds_table
+from benchmarks.serve_compare import comparison_table, round_label, round_order, rounds_table
 
 
 def _run(tmp_path: Path, model: Path, systems: list[str], *extra: str) -> tuple[subprocess.CompletedProcess, list]:
@@ -50,6 +50,12 @@ def test_rounds_alternate_the_order_and_log_every_request(tmp_path: Path, bench_
         assert [r["index"] for r in mine] == list(range(8)) and all(r["output_tokens"] == 6 for r in mine)
     assert (tmp_path / "logs" / "plugserve-round0.log").exists() and (tmp_path / "logs" / "plugserve-round1.log").exists()
     assert "ratio, round 0 | ratio, round 1 | geometric mean" in proc.stdout
+
+
+def test_a_single_round_keeps_the_plain_log_name() -> None:
+    """``logs/plugserve.log`` for one round (the two-round sweep above checks the numbered names)."""
+    assert round_label("plugserve", 0, 1) == "plugserve"
+    assert [round_label("vllm", r, 2) for r in (0, 1)] == ["vllm-round0", "vllm-round1"]
 
 
 def test_rounds_must_be_positive(tmp_path: Path, bench_model: Path) -> None:

@@ -75,8 +75,8 @@ def test_a_path_that_is_not_a_checkpoint_is_one_line(tmp_path: Path, kind: str) 
 
 
 def test_the_prestarted_scheduler_is_the_servers_child(main_server: Server) -> None:
-    """The scheduler that serves is the process spawned at the start (a child of the HTTP
-    process, as a late spawn would be)."""
+    """The scheduler that serves, handed over from the prestarted process, is the HTTP
+    process's own child (its sentinel and exit code are the launcher's to watch)."""
     pid = main_server.scheduler_pid()
     stat = Path(f"/proc/{pid}/stat").read_text()
     parent = int(stat.rsplit(")", 1)[1].split()[1])
