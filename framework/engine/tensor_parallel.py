@@ -94,7 +94,8 @@ class FollowerProcesses:
                 raise RankDiedError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Wait for the followers to leave (after a close), then terminate any still there."""
+        """Wait for the followers to leave (after a close), then terminate any still there
+        (``timeout=0``: at once)."""
         for proc in self.procs.values():
             proc.join(timeout)
             if proc.is_alive():
@@ -144,17 +145,43 @@ def spawn_followers(settings: Any, config_path: str, host: str, port: int, ranks
     return FollowerProcesses(procs)
 
 
-def start_leader(settings: Any, config_path: str | None = None) -> tuple[Any, FollowerProcesses]:
-    """Rank 0's side: spawn this host's followers and join the group (blocks until all joined)."""
-    host, port = rendezvous(settings)
-    config_path = config_path or write_config(settings)
-    followers = spawn_followers(settings, config_path, host, port, [r for r in local_ranks(settings) if r != 0])
-    try:
-        comm = join_group(settings, 0, host, port)
-    except Exception:
-        followers.stop(timeout=1)
-        raise
-    return comm, followers
+class LeaderStart:
+    """Rank 0's side of starting the group, in two halves so rank 0 can work while its followers
+    start: construction spawns this host's followers (a fresh interpreter each, seconds of imports
+    before they can join), :meth:`join` joins the group (blocks until all joined) and returns rank
+    0's communicator. Rank 0 loads its tokenizer in between.
+
+    :meth:`abandon` is the failure path for anything rank 0 does after the spawn: it terminates
+    the followers (a follower waits in the rendezvous, or in rank 0's first broadcast, until its
+    timeout otherwise) and leaves no tensor-parallel group set in this process.
+    """
+
+    def __init__(self, settings: Any, config_path: str | None = None) -> None:
+        self.settings = settings
+        self.host, self.port = rendezvous(settings)
+        config_path = config_path or write_config(settings)
+        self.followers = spawn_followers(settings, config_path, self.host, self.port,
+                                         [r for r in local_ranks(settings) if r != 0])
+        self.comm: Any = None
+
+    def join(self) -> Any:
+        """Join the group as rank 0 (the followers are told nothing on failure: :meth:`abandon`)."""
+        try:
+            self.comm = join_group(self.settings, 0, self.host, self.port)
+        except Exception:
+            self.abandon()
+            raise
+        return self.comm
+
+    def abandon(self) -> None:
+        """Terminate the followers and drop the group (after a failure on rank 0's side)."""
+        self.followers.stop(timeout=0)
+        if self.comm is not None:
+            from framework.distributed.state import set_tensor_parallel
+
+            self.comm.close()
+            self.comm = None
+            set_tensor_parallel(None)
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -318,19 +318,25 @@ def _build(config_path: str) -> tuple[Any, Any, list[int], dict[str, Any]]:
     get_plugins().raise_for_errors()
     settings = to_settings(cfg)
     model_cfg = settings.model
-    tokenizer = None if model_cfg.skip_tokenizer_init else AutoTokenizer.from_pretrained(
-        model_cfg.tokenizer_path or model_cfg.path)
-    followers = None
-    if settings.parallel.tp_size > 1:  # this process is rank 0; the other ranks start here
-        from framework.engine.tensor_parallel import start_leader
+    leader = None
+    if settings.parallel.tp_size > 1:  # this process is rank 0; the other ranks start first
+        from framework.engine.tensor_parallel import LeaderStart
 
-        comm, followers = start_leader(settings, config_path)
-    runner = ModelRunner(settings, progress=False)
-    scheduler = Scheduler(settings, runner, tokenizer, pd_side=make_pd_side)
-    if followers is not None:
+        leader = LeaderStart(settings, config_path)
+    try:
+        tokenizer = None if model_cfg.skip_tokenizer_init else AutoTokenizer.from_pretrained(
+            model_cfg.tokenizer_path or model_cfg.path)
+        comm = None if leader is None else leader.join()
+        runner = ModelRunner(settings, progress=False)
+        scheduler = Scheduler(settings, runner, tokenizer, pd_side=make_pd_side)
+    except BaseException:
+        if leader is not None:
+            leader.abandon()
+        raise
+    if leader is not None:
         from framework.scheduler.replicated import ReplicatedScheduler
 
-        scheduler = ReplicatedScheduler(scheduler, comm, followers)
+        scheduler = ReplicatedScheduler(scheduler, comm, leader.followers)
     eos = eos_token_ids(load_generation_config(model_cfg.path), tokenizer)
     info = {**runner.describe(), "context_length": scheduler.context_len,
             "max_running_requests": scheduler.max_running, "scheduler_pid": os.getpid(),

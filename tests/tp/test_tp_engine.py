@@ -151,3 +151,72 @@ def test_dead_rank_is_reported(models):
     from framework.distributed.state import set_tensor_parallel
 
     set_tensor_parallel(None)
+
+
+class _Spawned:
+    """Records the follower processes ``LeaderStart`` spawns (the real ones)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from framework.engine import tensor_parallel
+
+        self.groups: list = []
+        real = tensor_parallel.spawn_followers
+
+        def spawn(*args, **kwargs):
+            group = real(*args, **kwargs)
+            self.groups.append(group)
+            return group
+
+        monkeypatch.setattr(tensor_parallel, "spawn_followers", spawn)
+
+    def all_exited(self) -> bool:
+        procs = [p for g in self.groups for p in g.procs.values()]
+        return bool(procs) and all(p.exitcode is not None for p in procs)
+
+
+def test_followers_start_before_the_tokenizer_and_go_when_it_fails(models, monkeypatch):
+    """Rank 0 spawns its followers first (they spend seconds importing) and loads its tokenizer
+    while they start; a tokenizer that fails to load then leaves no follower behind, and no group."""
+    from framework.distributed.state import get_tensor_parallel
+    from framework.engine import engine as engine_module
+
+    spawned = _Spawned(monkeypatch)
+    seen: list[int] = []
+
+    class BrokenTokenizer:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            seen.append(len(spawned.groups))
+            raise OSError("tokenizer.json is damaged")
+
+    monkeypatch.setattr(engine_module, "AutoTokenizer", BrokenTokenizer)
+    with pytest.raises(OSError, match="damaged"):
+        engine(models("llama_gqa"), 2)
+    assert seen == [1], "the followers were not spawned before rank 0 loaded its tokenizer"
+    assert spawned.all_exited(), "a follower outlived the failed start"
+    assert get_tensor_parallel().size == 1
+
+
+def test_a_failure_after_joining_terminates_the_followers(models, monkeypatch):
+    """Rank 0 joined the group, then its model failed to build: the followers (waiting for rank
+    0's first call) are terminated, the communicator closed and this process is a single rank again."""
+    from framework.distributed.state import get_tensor_parallel
+    from framework.engine import engine as engine_module
+
+    spawned = _Spawned(monkeypatch)
+    joined: list[int] = []
+
+    def failing_runner(settings, progress=True):
+        joined.append(get_tensor_parallel().size)
+        raise MemoryError("no room for the weights")
+
+    monkeypatch.setattr(engine_module, "ModelRunner", failing_runner)
+    with pytest.raises(MemoryError):
+        engine(models("llama_gqa"), 2)
+    assert joined == [2]
+    assert spawned.all_exited(), "a follower outlived the failed start"
+    assert get_tensor_parallel().size == 1
+    monkeypatch.undo()
+    one = engine(models("llama_gqa"), 1)  # the process is usable again
+    assert one.generate([1, 2, 3], {"max_new_tokens": 2, "ignore_eos": True})["meta_info"]["completion_tokens"] == 2
+    one.close()
