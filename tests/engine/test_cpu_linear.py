@@ -147,6 +147,33 @@ def test_swiglu_matches_separate_ops() -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [3, 70, 300])
+def test_bf16_swiglu_post_ops_on_amx(rows: int, bias: bool) -> None:
+    """bf16 where oneDNN has AMX: SiLU and the product run as the GEMMs' post-ops. Against the fp32
+    computation of the same bf16 weights the result is within bf16 rounding, and no further from
+    it than transformers' sequence of bf16 ops (which rounds the gate GEMM before its SiLU).
+    Elsewhere (fp32, or no AMX) the separate passes stay."""
+    from framework.kernels.small_gemm import amx_available
+
+    torch.manual_seed(rows)
+    gate_up = nn.Linear(96, 2 * 64, bias=bias)
+    assert not PackedSwiGLU(gate_up).post_ops  # fp32
+    gate_up = gate_up.bfloat16()
+    swiglu = PackedSwiGLU(gate_up)
+    assert swiglu.post_ops == amx_available()
+    if not swiglu.post_ops:
+        pytest.skip("oneDNN has no AMX tiles on this CPU: the post-op path is not taken here")
+    x = torch.randn(rows, 96).bfloat16()
+    with torch.no_grad():
+        exact = F.linear(x.float(), gate_up.weight.float(), None if gate_up.bias is None else gate_up.bias.float())
+        exact = SiluAndMul()(exact)
+        ours = swiglu(x).float()
+        ops = SiluAndMul()(gate_up(x)).float()  # transformers' order, rounding after each op
+    torch.testing.assert_close(ours, exact, atol=2e-2, rtol=1e-2)
+    assert (ours - exact).abs().mean() <= (ops - exact).abs().mean()
+
+
+@pytest.mark.parametrize("bias", [False, True])
 def test_blas_copies_take_the_large_calls(bias: bool) -> None:
     """With ``blas``, calls of BLAS_MIN_ROWS rows and more are torch's ``F.linear`` on the dense
     weight, bit for bit (the residual add and SwiGLU too); fewer rows stay on oneDNN, bit for bit;
