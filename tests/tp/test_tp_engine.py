@@ -1,6 +1,7 @@
 """Tensor parallelism through the Engine: two gloo ranks (one thread each) against one rank and
 against transformers, on the hidden configs of the parity tests, with every scheduler feature
-that changes how KV is computed; RL calls on both ranks; a dead rank stops the engine."""
+that changes how KV is computed; RL calls on both ranks; a dead rank stops the engine; the
+followers start before rank 0's tokenizer and go when rank 0 fails after starting them."""
 
 from __future__ import annotations
 
