@@ -18,7 +18,7 @@ from framework.config.schema import PlugserveConfig
 from framework.disaggregation.factory import make_pd_side
 from framework.engine.request_state import RequestState, make_sampling_params
 from framework.engine.rollout_api import RolloutMethods
-from framework.engine.tensor_parallel import FollowerProcesses, LeaderStart
+from framework.engine.tensor_parallel import FollowerProcesses, leader_start
 from framework.errors import ConfigError
 from framework.executor.model_runner import ModelRunner
 from framework.models.loader import load_generation_config
@@ -65,19 +65,13 @@ class Engine(RolloutMethods):
         if self.settings.parallel.dp_size != 1:
             raise ConfigError(f"parallel.dp_size: {self.settings.parallel.dp_size} replicas need plugserve serve (its "
                               "HTTP process balances them); the in-process Engine runs one, set parallel.dp_size=1")
-        self.followers: FollowerProcesses | None = None
         # This process is rank 0; the other ranks start first, and import while it loads the tokenizer.
-        leader = LeaderStart(self.settings) if self.settings.parallel.tp_size > 1 else None
-        try:
+        with leader_start(self.settings) as leader:
             self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path)
             comm = None if leader is None else leader.join()
             self.runner = ModelRunner(self.settings, progress=progress)
             scheduler = Scheduler(self.settings, self.runner, self.tokenizer, pd_side=make_pd_side)
-        except BaseException:
-            if leader is not None:
-                leader.abandon()
-            raise
-        self.followers = None if leader is None else leader.followers
+        self.followers: FollowerProcesses | None = None if leader is None else leader.followers
         self.scheduler = scheduler if comm is None else ReplicatedScheduler(scheduler, comm, self.followers)
         # Images are processed here, in the caller's process, as the HTTP server does in its own.
         self.mm_processor = build_processor(self.runner.model_path, self.runner.hf_config, self.tokenizer,

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -149,11 +151,7 @@ class LeaderStart:
     """Rank 0's side of starting the group, in two halves so rank 0 can work while its followers
     start: construction spawns this host's followers (a fresh interpreter each, seconds of imports
     before they can join), :meth:`join` joins the group (blocks until all joined) and returns rank
-    0's communicator. Rank 0 loads its tokenizer in between.
-
-    :meth:`abandon` is the failure path for anything rank 0 does after the spawn: it terminates
-    the followers (a follower waits in the rendezvous, or in rank 0's first broadcast, until its
-    timeout otherwise) and leaves no tensor-parallel group set in this process.
+    0's communicator. Rank 0 loads its tokenizer in between. Use it through :func:`leader_start`.
     """
 
     def __init__(self, settings: Any, config_path: str | None = None) -> None:
@@ -165,16 +163,13 @@ class LeaderStart:
         self.comm: Any = None
 
     def join(self) -> Any:
-        """Join the group as rank 0 (the followers are told nothing on failure: :meth:`abandon`)."""
-        try:
-            self.comm = join_group(self.settings, 0, self.host, self.port)
-        except Exception:
-            self.abandon()
-            raise
+        """Join the group as rank 0; this process's communicator."""
+        self.comm = join_group(self.settings, 0, self.host, self.port)
         return self.comm
 
     def abandon(self) -> None:
-        """Terminate the followers and drop the group (after a failure on rank 0's side)."""
+        """Terminate the followers (a follower waits in the rendezvous, or in rank 0's first
+        broadcast, until its timeout otherwise) and drop the group, if joined."""
         self.followers.stop(timeout=0)
         if self.comm is not None:
             from framework.distributed.state import set_tensor_parallel
@@ -182,6 +177,19 @@ class LeaderStart:
             self.comm.close()
             self.comm = None
             set_tensor_parallel(None)
+
+
+@contextmanager
+def leader_start(settings: Any, config_path: str | None = None) -> Iterator[LeaderStart | None]:
+    """Spawn the followers when ``parallel.tp_size`` > 1 (None otherwise) for the block that builds
+    rank 0; anything the block raises abandons them (:meth:`LeaderStart.abandon`) first."""
+    leader = LeaderStart(settings, config_path) if settings.parallel.tp_size > 1 else None
+    try:
+        yield leader
+    except BaseException:
+        if leader is not None:
+            leader.abandon()
+        raise
 
 
 def _watch_parent(parent_pid: int) -> None:

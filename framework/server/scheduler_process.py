@@ -309,6 +309,7 @@ def _build(config_path: str) -> tuple[Any, Any, list[int], dict[str, Any]]:
     from framework.config.loader import resolve_config, to_settings
     from framework.disaggregation.factory import make_pd_side
     from framework.engine.engine import eos_token_ids
+    from framework.engine.tensor_parallel import leader_start
     from framework.executor.model_runner import ModelRunner
     from framework.models.loader import load_generation_config
     from framework.plugins import get_plugins
@@ -318,21 +319,12 @@ def _build(config_path: str) -> tuple[Any, Any, list[int], dict[str, Any]]:
     get_plugins().raise_for_errors()
     settings = to_settings(cfg)
     model_cfg = settings.model
-    leader = None
-    if settings.parallel.tp_size > 1:  # this process is rank 0; the other ranks start first
-        from framework.engine.tensor_parallel import LeaderStart
-
-        leader = LeaderStart(settings, config_path)
-    try:
+    with leader_start(settings, config_path) as leader:  # rank 0: the other ranks start first
         tokenizer = None if model_cfg.skip_tokenizer_init else AutoTokenizer.from_pretrained(
             model_cfg.tokenizer_path or model_cfg.path)
         comm = None if leader is None else leader.join()
         runner = ModelRunner(settings, progress=False)
         scheduler = Scheduler(settings, runner, tokenizer, pd_side=make_pd_side)
-    except BaseException:
-        if leader is not None:
-            leader.abandon()
-        raise
     if leader is not None:
         from framework.scheduler.replicated import ReplicatedScheduler
 
