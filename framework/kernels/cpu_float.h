@@ -30,6 +30,17 @@ static inline uint16_t float_to_bf16(float f) {
 /* 16 bf16 values as fp32: bf16_to_float a vector at a time (a shift, exact). */
 static inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 static inline __m512 load_bf16(const uint16_t *p) { return widen_bf16(_mm256_loadu_si256((const __m256i *)p)); }
+/* float_to_bf16 of 16 lanes: nearest even, a NaN kept a quiet NaN, in integer steps, so bitwise the
+ * scalar form (AVX512-BF16's own conversion would flush denormal inputs to zero). */
+static inline __m256i bf16_bits16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+    const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), high, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+/* The float a bf16 rounding of each lane leaves (what a torch bf16 op's result reads back as). */
+static inline __m512 round_bf16_16(__m512 v) { return widen_bf16(bf16_bits16(v)); }
 #endif
 
 /* exp(x) for x <= 0 (scores minus their max), as 2^k * 2^f with a degree-6 polynomial for 2^f on

@@ -36,10 +36,12 @@ def kernel_available() -> bool:
     return _load() is not None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` over the last dim as a new contiguous tensor,
-    or ``None`` when the kernel does not apply. fp32, or bf16 ``x`` and ``weight`` (math in fp32,
-    rounded to bf16 where transformers rounds)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` over the last dim as a new contiguous tensor
+    (written into ``out`` when given: contiguous, ``x``'s shape and dtype), or ``None`` when the
+    kernel does not apply. fp32, or bf16 ``x`` and ``weight`` (math in fp32, rounded to bf16 where
+    transformers rounds)."""
     if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or not x.is_cpu:
         return None
     dims = x.dim()
@@ -56,7 +58,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     fn = _norm_fn(x.dtype == torch.float32)
     if fn is None:
         return None
-    out = torch.empty(rows.shape, dtype=x.dtype)
+    if out is None:
+        out = torch.empty(rows.shape, dtype=x.dtype)
+    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or not out.is_cpu:
+        raise ValueError(f"rms_norm: out must be a contiguous CPU {x.dtype} tensor of shape {tuple(x.shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    else:
+        out = out.view(rows.shape)
     n = rows.shape[0]
     if n:
         fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), n, d, float(eps),

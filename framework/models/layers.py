@@ -17,6 +17,7 @@ from torch import nn
 
 from framework.kernels.rmsnorm import rms_norm
 from framework.kernels.rotary import rotary_qkv
+from framework.models.onednn_rows import padded_empty
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +36,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = rms_norm(x, self.weight, self.eps)
+        out = None
+        if x.dim() == 2 and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
+            # Rows a packed GEMM takes without copying them into its row bucket (onednn_rows).
+            out = padded_empty(x.shape[0], x.shape[1], x.dtype)
+        fused = rms_norm(x, self.weight, self.eps, out=out)
         if fused is not None:
             return fused
         # Not F.rms_norm: bitwise equal in fp32, but decode steps with it were no faster here (one A/B

@@ -43,16 +43,42 @@ def bucket_rows(rows: int) -> int:
 
 
 def padded_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as contiguous 2-D rows, zero rows appended up to ``bucket_rows``."""
+    """``x`` as contiguous 2-D rows, extra rows appended up to ``bucket_rows``: zeros in a copy, or,
+    without copying, the tensor ``x`` is the leading rows of (see :func:`padded_empty`).
+
+    Why the second form: a 1713-row mixed step copied 67 activations into their buckets (each GEMM's
+    input, and the residual its add post-op reads), 12.7 ms of a 237 ms bf16 step on the Sapphire
+    Rapids host. Every GEMM output here comes out bucketed and is handed on as its leading rows
+    (:func:`unpadded`), so the next GEMM takes the whole buffer back. What the extra rows hold is
+    then whatever the GEMM made of its own padding (finite values), not zeros: a GEMM row depends on
+    its input row alone, and those output rows are sliced off, so no kept result changes.
+    """
     x = x.reshape(-1, x.shape[-1])
     rows = x.shape[0]
     target = bucket_rows(rows)
     if target == rows:
         return x.contiguous()
-    out = x.new_empty((target, x.shape[1]))
+    cols = x.shape[1]
+    # Storage, not ``x._base``: tensors made under inference mode keep no view base.
+    if (x.is_contiguous() and x.storage_offset() == 0
+            and x.untyped_storage().nbytes() == target * cols * x.element_size()):
+        return x.as_strided((target, cols), (cols, 1))
+    out = x.new_empty((target, cols))
     out[:rows] = x
     out[rows:].zero_()
     return out
+
+
+def padded_empty(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new ``[rows, cols]`` tensor (contents unset) that is the leading rows of a ``bucket_rows``
+    buffer whose extra rows are zeros, so that :func:`padded_rows` hands a packed GEMM the buffer
+    without a copy. For activations that feed a packed GEMM (the norms' outputs, attention's)."""
+    target = bucket_rows(rows)
+    if target == rows:
+        return torch.empty(rows, cols, dtype=dtype)
+    buffer = torch.empty(target, cols, dtype=dtype)
+    buffer[rows:].zero_()  # never-written memory could hold NaNs or denormals; zeros cost nothing
+    return buffer[:rows]
 
 
 def unpadded(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ from framework.models.cpu_linear import (
     packable_dtypes,
     unpack_linear_layers,
 )
-from framework.models.layers import FusableSwiGLU, SiluAndMul
-from framework.models.onednn_rows import bucket_rows
+from framework.models.layers import FusableSwiGLU, RMSNorm, SiluAndMul
+from framework.models.onednn_rows import bucket_rows, padded_empty, padded_rows
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -232,6 +232,47 @@ def test_padded_rows_change_no_result(rows: int) -> None:
         # moves that tail (33 x 24 floats leave 8 past 16-lane AVX-512 vectors; 36 x 24 leave none).
         # So SwiGLU is compared to within fp32 rounding, the GEMMs above bitwise.
         torch.testing.assert_close(swiglu(x), gate * up, rtol=1e-6, atol=1e-7)
+
+
+
+@pytest.mark.parametrize("rows", [33, 100, 1713])
+def test_bucketed_activations_reach_the_next_gemm_without_a_copy(rows: int) -> None:
+    """A GEMM's output, a norm's and attention's come out as the leading rows of a row bucket
+    (``unpadded``, ``padded_empty``), and ``padded_rows`` hands the next GEMM that buffer itself.
+    The chain o_proj (+ residual) -> norm -> gate/up -> down (+ residual) must give what the same
+    modules give on plain tensors, bitwise: the reused extra rows hold GEMM outputs, not zeros, and
+    must reach no kept row."""
+    torch.manual_seed(rows)
+    width, inter = 64, 96
+    o_proj, down = PackedLinear(nn.Linear(width, width)), PackedLinear(nn.Linear(inter, width))
+    mlp, norm = PackedSwiGLU(nn.Linear(width, 2 * inter)), RMSNorm(width)
+    norm.weight.data.uniform_(0.5, 1.5)
+    attn_out, residual = torch.randn(rows, width), torch.randn(rows, width)
+
+    def chain(attn: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        h = o_proj.forward_add(attn, res)
+        return down.forward_add(mlp(norm(h)), h)
+
+    with torch.inference_mode():
+        bucket = bucket_rows(rows)
+        buffered = padded_empty(rows, width, torch.float32)
+        buffered.copy_(attn_out)
+        assert padded_rows(buffered).data_ptr() == buffered.data_ptr()
+        assert padded_rows(buffered).shape == (bucket, width) and not padded_rows(buffered)[rows:].any()
+        h = o_proj.forward_add(buffered, residual)
+        assert padded_rows(h).data_ptr() == h.data_ptr()  # the GEMM output is taken back as it is
+        normed = norm(h)
+        assert normed.shape == (rows, width) and padded_rows(normed).data_ptr() == normed.data_ptr()
+        act = mlp(normed)
+        assert padded_rows(act).data_ptr() == act.data_ptr()
+        # A tensor that is no bucket's leading rows is still copied, into zeros.
+        plain = attn_out.clone()
+        assert padded_rows(plain).data_ptr() != plain.data_ptr() and not padded_rows(plain)[rows:].any()
+        got = chain(buffered, residual)
+        # The reference: every activation a fresh tensor of exactly `rows` rows (each GEMM pads a copy).
+        h_ref = o_proj.forward_add(attn_out.clone(), residual).clone()
+        ref = down.forward_add(mlp(norm(h_ref).clone()).clone(), h_ref.clone())
+    assert torch.equal(got, ref)
 
 
 _CHURN = r"""

@@ -47,6 +47,24 @@ def test_rows_with_a_stride() -> None:
     torch.testing.assert_close(got, expected, rtol=4 * EPS32, atol=0)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_writes_into_a_given_output(dtype: torch.dtype) -> None:
+    """``out`` (the leading rows of a GEMM's row bucket, in the models) gets the same values a
+    fresh output would, and its rows past the norm's are untouched; a wrong ``out`` is an error
+    naming what it must be, not a write out of bounds."""
+    x = (torch.randn(37, 96) * 2).to(dtype)
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    buffer = torch.full((40, 96), 7.0, dtype=dtype)
+    got = rmsnorm.rms_norm(x, weight, 1e-6, out=buffer[:37])
+    assert got is not None and got.data_ptr() == buffer.data_ptr()
+    assert torch.equal(got, rmsnorm.rms_norm(x, weight, 1e-6))
+    assert torch.equal(buffer[37:], torch.full((3, 96), 7.0, dtype=dtype))
+    for bad in (torch.empty(36, 96, dtype=dtype), torch.empty(37, 96, dtype=torch.float16),
+                torch.empty(96, 37, dtype=dtype).t()):
+        with pytest.raises(ValueError, match="out must be a contiguous CPU"):
+            rmsnorm.rms_norm(x, weight, 1e-6, out=bad)
+
 def test_steps_aside() -> None:
     """None (the caller runs the torch ops) for fp16, mixed dtypes, autograd, a strided last dim or a
     wrong weight."""

@@ -31,6 +31,7 @@ from framework.attention.base import Attention, AttentionBackend, NativeDecodeAt
 from framework.attention.paged_sdpa import PagedSDPA, PagedSDPAOptions
 from framework.errors import ConfigError
 from framework.memory.kv_cache import KVCache
+from framework.models.onednn_rows import padded_empty
 from plugins.attention.cpu_paged.kernel import (
     KV_DTYPES,
     KernelUnavailable,
@@ -201,7 +202,9 @@ class CpuPagedAttnBackend(AttentionBackend):
         amx = q.dtype == kv_dtype == torch.bfloat16 and extend_amx_supported(layer.head_dim)
         io_dtype = torch.bfloat16 if amx else torch.float32
         rows = q.reshape(num_tokens, layer.num_heads, layer.head_dim).to(io_dtype).contiguous()
-        out = torch.empty(num_tokens, layer.num_heads, layer.head_dim, dtype=io_dtype)
+        # Allocated as the leading rows of o_proj's row bucket, so its packed GEMM takes them as they are.
+        out = padded_empty(num_tokens, layer.num_heads * layer.head_dim, io_dtype).view(
+            num_tokens, layer.num_heads, layer.head_dim)
         tail = meta.decode_tail
         split = num_tokens - (0 if tail is None else tail.rows.shape[0])
         table = forward_batch.req_to_token
