@@ -29,9 +29,14 @@ class FinishReason:
         return out
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
-    """One generation request as the scheduler tracks it."""
+    """One generation request as the scheduler tracks it.
+
+    Compared by identity (``eq=False``): two requests are never the same because their fields are.
+    The scheduler's ``in`` checks over its lists ran the generated field-by-field ``__eq__`` ~2,000
+    times a 64-stream mixed step, ~2 us each.
+    """
 
     rid: str
     input_ids: list[int]

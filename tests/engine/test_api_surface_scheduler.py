@@ -41,6 +41,16 @@ def _start_order(eng: Engine, reqs: list[Req]) -> list[str]:
     return started
 
 
+
+def test_requests_are_distinct_by_identity() -> None:
+    """The scheduler's lists are searched with ``in`` and ``remove``: a request must match only
+    itself, never another with equal fields (a resubmitted prompt, two n>1 samples), and cheaply."""
+    a, b = _req("same", None), _req("same", None)
+    assert a != b and a == a and len({a, b}) == 2
+    queue = [a, b]
+    queue.remove(b)
+    assert queue == [a] and queue[0] is a
+
 def test_priority_policy_orders_by_priority_then_arrival() -> None:
     policy = PriorityPolicy()
     reqs = [_req("a", 0), _req("b", 5), _req("c", None), _req("d", -1), _req("e", 5)]
