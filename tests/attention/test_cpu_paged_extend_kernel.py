@@ -7,7 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plugins.attention.cpu_paged.kernel import extend_amx_supported, extend_supported, paged_extend_attention
+from plugins.attention.cpu_paged.kernel import (
+    extend_amx_supported,
+    extend_supported,
+    paged_extend_attention,
+    store_kv_rows,
+)
 
 
 def _case(prefix_lens: list[int], q_lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: int):
@@ -122,3 +127,30 @@ def test_kernel_refuses_wrong_layouts() -> None:
     with pytest.raises(RuntimeError, match="status 2"):  # a head size the kernel does not take
         paged_extend_attention(q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous(),
                                out[..., :40].contiguous(), table, rows, pre, n, 0.1, 1)
+
+
+@pytest.mark.parametrize(("new_dtype", "kv_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("n", [1, 64, 65, 300])  # whole and partial 64-row chunks, one thread and two
+def test_store_kv_rows_writes_what_index_put_writes(new_dtype: torch.dtype, kv_dtype: torch.dtype, n: int) -> None:
+    """The extend path's C store against torch's index_put (what ``KVCache.store`` does), byte for
+    byte, every other slot untouched; a slot outside the cache is an error and writes nothing."""
+    slots, heads, dim = 512, 3, 40
+    g = torch.Generator().manual_seed(n)
+    k_cache, v_cache = (torch.randn(slots, heads, dim, generator=g).to(kv_dtype) for _ in range(2))
+    k, v = ((torch.randn(n, heads * dim, generator=g) * 3).to(new_dtype) for _ in range(2))
+    loc = torch.randperm(slots, generator=g)[:n]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref[loc] = k.view(n, heads, dim).to(kv_dtype)
+    v_ref[loc] = v.view(n, heads, dim).to(kv_dtype)
+    store_kv_rows(k_cache, v_cache, k, v, loc, 2)
+    as_bits = torch.int16 if kv_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(k_cache.view(as_bits), k_ref.view(as_bits))
+    assert torch.equal(v_cache.view(as_bits), v_ref.view(as_bits))
+    bad = loc.clone()
+    bad[-1] = slots
+    with pytest.raises(IndexError, match="outside the cache's 512 slots"):
+        store_kv_rows(k_cache, v_cache, k + 1, v + 1, bad, 2)
+    assert torch.equal(k_cache.view(as_bits), k_ref.view(as_bits))
+    with pytest.raises(ValueError, match="store_kv_rows: need"):
+        store_kv_rows(k_cache, v_cache, k, v, loc[:1] if n > 1 else loc.repeat(2), 2)

@@ -43,6 +43,7 @@ from plugins.attention.cpu_paged.kernel import (
     native_decode_step,
     paged_decode_attention,
     paged_extend_attention,
+    store_kv_rows,
 )
 
 if TYPE_CHECKING:
@@ -195,7 +196,13 @@ class CpuPagedAttnBackend(AttentionBackend):
                 meta.fallback = self.sdpa.extend_metadata(forward_batch)
             k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
             return self.sdpa.extend(q, k, v, k_cache, v_cache, layer, meta.fallback)
-        k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
+        cache = forward_batch.kv_cache
+        new_kv = _kernel_store(cache, k, v, forward_batch.out_cache_loc)
+        if new_kv is None:  # a pool with its own store, or K/V the C store cannot take as they are
+            k_cache, v_cache = self.store_and_get_kv(k, v, layer, forward_batch, save_kv_cache)
+        else:
+            k_cache, v_cache = cache.get_kv(layer.layer_id)
+            store_kv_rows(k_cache, v_cache, *new_kv, self.num_threads)
         num_tokens = q.shape[0]
         # bf16 queries over a bf16 cache stay bf16 on the AMX kernel (both kernels take bf16 rows);
         # everything else is widened to fp32 for the vector kernel and rounded back.

@@ -17,7 +17,7 @@ from framework.kernels.build import KernelUnavailable, build_and_load, compiler
 
 __all__ = ["KV_DTYPES", "KernelUnavailable", "compiler", "extend_amx_supported", "extend_supported",
            "kernel_threading", "load_extend_kernel", "load_kernel", "native_decode_step", "paged_decode_attention",
-           "paged_extend_attention"]
+           "paged_extend_attention", "store_kv_rows"]
 
 SOURCE = Path(__file__).with_name("decode_kernel.c")
 EXTEND_SOURCE = Path(__file__).with_name("extend_kernel.c")
@@ -45,6 +45,8 @@ def load_kernel() -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, i64, i64, p, p, p, i64, i64, i64]
     fn.restype = ctypes.c_int
+    lib.paged_store_kv.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64]
+    lib.paged_store_kv.restype = ctypes.c_int
     lib.paged_decode_uses_openmp.argtypes = []
     lib.paged_decode_uses_openmp.restype = ctypes.c_int
     return lib
@@ -122,6 +124,26 @@ def kernel_threading() -> str:
     loaded libgomp first), ``"pthreads"`` when the compiler had no OpenMP and it starts its own."""
     return "openmp" if load_kernel().paged_decode_uses_openmp() else "pthreads"
 
+
+
+def store_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor,
+                  num_threads: int) -> None:
+    """Store ``k``/``v`` (``n`` rows of ``kv_heads x head_dim``, fp32 or bf16, contiguous) at slots
+    ``loc`` (int64 ``[n]``) of ``k_cache``/``v_cache`` ``[slots, kv_heads, head_dim]``, converted to
+    the cache's dtype: what :meth:`KVCache.store`'s index_puts write, in one threaded C call."""
+    kv_dtype = k_cache.dtype if k_cache.dtype in KV_DTYPES else torch.float32
+    new_dtype = k.dtype if k.dtype in KV_DTYPES else torch.float32
+    _check((("k_cache", k_cache, kv_dtype), ("v_cache", v_cache, kv_dtype), ("k", k, new_dtype), ("v", v, new_dtype),
+            ("loc", loc, torch.int64)))
+    row_elems = k_cache.shape[1] * k_cache.shape[2]
+    n = loc.numel()
+    if k.numel() != n * row_elems or v.numel() != k.numel() or v_cache.shape != k_cache.shape:
+        raise ValueError(f"store_kv_rows: need {n} rows of {row_elems} K/V values for {n} slots")
+    status = load_kernel().paged_store_kv(
+        k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), loc.data_ptr(), n, row_elems,
+        int(kv_dtype == torch.bfloat16), int(new_dtype == torch.bfloat16), k_cache.shape[0], num_threads)
+    if status == 3:
+        raise IndexError(f"store_kv_rows: a slot in loc is outside the cache's {k_cache.shape[0]} slots")
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                            req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, scale: float,
