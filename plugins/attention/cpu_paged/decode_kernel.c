@@ -542,9 +542,10 @@ static int decode_fp32_query(const float *q, void *k, void *v, float *out, const
     if (bs <= 0) return 0;
     if (kv_heads <= 0 || num_heads % kv_heads != 0) return 2;
     if (k_new && v_new && loc) {
-        for (int64_t b = 0; b < bs; ++b)
-            if (loc[b] < 0 || loc[b] >= num_slots) return 3;
-        store_new_rows(k, v, k_new, v_new, loc, bs, kv_heads * head_dim, kv_bf16 != 0, new_bf16 != 0);
+        /* A decode step's rows are one chunk: stored by this thread, as before the extend path shared it. */
+        const int stored = paged_store_kv(k, v, k_new, v_new, loc, bs, kv_heads * head_dim, kv_bf16, new_bf16,
+                                          num_slots, 1);
+        if (stored != 0) return stored;
     }
     if (num_threads < 1) num_threads = 1;
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
