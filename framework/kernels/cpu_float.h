@@ -90,6 +90,15 @@ static inline __m512 exp16_nonpositive(__m512 x) {
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(kf), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+
+/* silu of 16 lanes: the scalar silu's operations in its order, exp16_nonpositive for its exp (a NaN
+ * gate gives a NaN either way). */
+static inline __m512 silu16(__m512 g) {
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 minus_g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+    const __m512 e = exp16_nonpositive(_mm512_mask_blend_ps(negative, minus_g, g));
+    return _mm512_div_ps(_mm512_mask_mul_ps(g, negative, g, e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
 #endif
 
 #endif

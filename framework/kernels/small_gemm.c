@@ -53,9 +53,18 @@
 
 #define PANEL_COLS 32   /* output columns per panel: two AVX-512 vectors of fp32 accumulators */
 #define K_ALIGN 8       /* K is padded to a multiple of this (bf16 needs pairs) */
+#ifndef AMX_PAIRS
+#define AMX_PAIRS 1 /* 0: SwiGLU on AMX through the scratch as elsewhere (the tests compare the two) */
+#endif
+#ifndef SWIGLU_AHEAD
+#define SWIGLU_AHEAD 2
+#endif
+#ifndef SCRATCH_PAD
+#define SCRATCH_PAD 32 /* elements past each SwiGLU scratch row (see small_gemm_any) */
+#endif
 #define CHUNK_PANELS 2  /* panels per unit of work a thread takes (64 output columns) */
 #ifndef AMX_MAX_ROWS
-#define AMX_MAX_ROWS 64 /* bf16 rows a call alone brings on AMX (small_gemm_max_rows) */
+#define AMX_MAX_ROWS 128 /* bf16 rows a call alone brings on AMX (small_gemm_max_rows) */
 #endif
 #define MAX_ROWS_ANY 128 /* the most rows a call may bring on any build (small_gemm.py routes more to oneDNN) */
 #define FUSED_MAX_ROWS 64 /* the most rows of a fused decode step (small_gemm_fused_max_rows) */
@@ -186,6 +195,14 @@ static inline void store_row(const gemm_args *a, int64_t panel, int64_t m, const
 #else
 #define XB_BLOCKED 0
 #endif
+/* Whether bf16 calls read only the bf16 copy xb (AVX512-BF16's pair tiles and the AMX tiles): then
+ * copy_input makes no fp32 copy. It used to make both, and on AMX a 64-row bf16 decode step wrote
+ * ~13 MB of fp32 copies nobody read (12 layers x 64 rows x 4352 inputs x 4 bytes). */
+#if defined(SMALL_GEMM_VECTOR) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BF16_READS_XB_ONLY 1
+#else
+#define BF16_READS_XB_ONLY 0
+#endif
 
 #if MR_MAX > 12
 #error "MR_MAX above 12: tile() has no case for such row blocks"
@@ -223,19 +240,6 @@ INLINE void finish_f32(const gemm_args *a, int64_t panel, int64_t m0, const int 
     for (int m = 0; m < mr; m++) store_vectors_f32(a, m0 + m, panel * PANEL_COLS, acc[m], PANEL_VECS);
 }
 
-#ifdef __AVX512F__
-/* float_to_bf16 on 16 lanes: round to nearest even, NaN kept a quiet NaN. */
-INLINE __m256i round_bf16(__m512 f) {
-    const __m512i bits = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-#endif
-
 /* The epilogue of one row of a bf16 tile, its sums in acc (the roundings of store, in vectors with
  * AVX-512 for whole panels). */
 INLINE void finish_bf16_row(const gemm_args *a, int64_t panel, int64_t m, const VEC acc[PANEL_VECS]) {
@@ -246,9 +250,9 @@ INLINE void finish_bf16_row(const gemm_args *a, int64_t panel, int64_t m, const 
         for (int v = 0; v < PANEL_VECS; v++) {
             VEC r = acc[v];
             if (a->bias) r = VADD(r, load_bf16((const uint16_t *)a->bias + n0 + v * VLEN));
-            __m256i out = round_bf16(r);
+            __m256i out = bf16_bits16(r);
             if (a->add)
-                out = round_bf16(VADD(widen_bf16(out), load_bf16((const uint16_t *)a->add + m * a->ld_add + n0 + v * VLEN)));
+                out = bf16_bits16(VADD(widen_bf16(out), load_bf16((const uint16_t *)a->add + m * a->ld_add + n0 + v * VLEN)));
             _mm256_storeu_si256((__m256i *)(y + v * VLEN), out);
         }
         return;
@@ -544,11 +548,11 @@ static void tile(const gemm_args *a, int64_t panel, int64_t m0, int mr, int pref
 #define AMX_MIN_ROWS 2 /* one row streams as fast on the vector tiles (chain of 48 GEMMs: AMX 1.08x the time), two on AMX 0.98x */
 #endif
 
-/* Rows m0.. (32, or 16 when two == 0) against one panel; ahead: the lines of the next panel this
- * pass fetches, `lines` of them, `per_step` a k step. Rows past M are the copy's zero padding and
- * are computed but not stored. */
-static void tile_amx(const gemm_args *a, int64_t panel, int64_t m0, const int two, const char *ahead,
-                     int64_t lines, int64_t per_step) {
+/* Rows m0.. (32, or 16 when two == 0) against one panel, their fp32 sums into `sums`; ahead: the
+ * lines of the next panel this pass fetches, `lines` of them, `per_step` a k step. Rows past M are
+ * the copy's zero padding and are computed too. */
+static void tile_amx_sums(const gemm_args *a, int64_t panel, int64_t m0, const int two, const char *ahead,
+                          int64_t lines, int64_t per_step, float sums[AMX_PASS_ROWS][PANEL_COLS]) {
     const uint16_t *wp = (const uint16_t *)a->w + panel * a->Kp * PANEL_COLS;
     const uint16_t *x = a->xb + m0 * a->Kp;
     const int64_t ldx = a->Kp * (int64_t)sizeof(uint16_t), ldw = 2 * PANEL_COLS * (int64_t)sizeof(uint16_t);
@@ -571,7 +575,6 @@ static void tile_amx(const gemm_args *a, int64_t panel, int64_t m0, const int tw
             _tile_dpbf16ps(7, 1, 3);
         }
     }
-    float sums[AMX_PASS_ROWS][PANEL_COLS] __attribute__((aligned(64)));
     const int64_t ld = PANEL_COLS * (int64_t)sizeof(float);
     _tile_stored(4, &sums[0][0], ld);
     _tile_stored(5, &sums[0][AMX_ROWS], ld);
@@ -579,24 +582,93 @@ static void tile_amx(const gemm_args *a, int64_t panel, int64_t m0, const int tw
         _tile_stored(6, &sums[AMX_ROWS][0], ld);
         _tile_stored(7, &sums[AMX_ROWS][AMX_ROWS], ld);
     }
-    const int64_t rows = a->M - m0 < (two ? AMX_PASS_ROWS : AMX_ROWS) ? a->M - m0 : (two ? AMX_PASS_ROWS : AMX_ROWS);
-    for (int64_t m = 0; m < rows; m++) {
-        const VEC acc[PANEL_VECS] = {VLOAD(sums[m]), VLOAD(sums[m] + VLEN)};
-        finish_bf16_row(a, panel, m0 + m, acc);
-    }
+}
+
+/* The rows of a pass at m0 that are real (not padding). */
+static inline int64_t amx_pass_rows(const gemm_args *a, int64_t m0) {
+    return a->M - m0 < AMX_PASS_ROWS ? a->M - m0 : AMX_PASS_ROWS;
+}
+
+/* The lines of `next` (a panel, or -1) that pass i of `passes` fetches: *lines of them from the
+ * returned address (NULL for none), *per_step a k step. */
+static const char *amx_fetch_share(const gemm_args *a, int64_t next, int64_t i, int64_t passes, int64_t *lines,
+                                   int64_t *per_step) {
+    const int64_t panel_bytes = a->Kp * PANEL_COLS * (int64_t)sizeof(uint16_t), panel_lines = panel_bytes / 64;
+    const int64_t share = (panel_lines + passes - 1) / passes, first = i * share;
+    *lines = panel_lines - first < share ? panel_lines - first : share;
+    *per_step = (share + a->Kp / AMX_K - 1) / (a->Kp / AMX_K);
+    return next < 0 ? NULL : (const char *)a->w + next * panel_bytes + first * 64;
 }
 
 /* One panel times every input row on AMX, pass by pass; each pass fetches its share of the next
  * panel (the thread's next one, or -1). */
 static void panel_amx(const gemm_args *a, int64_t p, int64_t next) {
-    const int64_t panel_bytes = a->Kp * PANEL_COLS * (int64_t)sizeof(uint16_t), panel_lines = panel_bytes / 64;
-    const int64_t passes = (a->M + AMX_PASS_ROWS - 1) / AMX_PASS_ROWS, steps = a->Kp / AMX_K;
-    const int64_t share = (panel_lines + passes - 1) / passes, per_step = (share + steps - 1) / steps;
-    const char *next_panel = next < 0 ? NULL : (const char *)a->w + next * panel_bytes;
+    const int64_t passes = (a->M + AMX_PASS_ROWS - 1) / AMX_PASS_ROWS;
+    float sums[AMX_PASS_ROWS][PANEL_COLS] __attribute__((aligned(64)));
     for (int64_t i = 0; i < passes; i++) {
-        const int64_t m0 = i * AMX_PASS_ROWS, first = i * share;
-        const int64_t lines = panel_lines - first < share ? panel_lines - first : share;
-        tile_amx(a, p, m0, a->M - m0 > AMX_ROWS, next_panel ? next_panel + first * 64 : NULL, lines, per_step);
+        const int64_t m0 = i * AMX_PASS_ROWS;
+        int64_t lines, per_step;
+        const char *ahead = amx_fetch_share(a, next, i, passes, &lines, &per_step);
+        tile_amx_sums(a, p, m0, a->M - m0 > AMX_ROWS, ahead, lines, per_step, sums);
+        for (int64_t m = 0, rows = amx_pass_rows(a, m0); m < rows; m++) {
+            const VEC acc[PANEL_VECS] = {VLOAD(sums[m]), VLOAD(sums[m] + VLEN)};
+            finish_bf16_row(a, p, m0 + m, acc);
+        }
+    }
+}
+
+/* SwiGLU on AMX: gate panel g and its up panel u (g + half / PANEL_COLS) pass by pass, and the
+ * pass's act columns straight from the two passes' sums while they are in L1, each value rounded
+ * as the scratch path rounds it (the GEMM outputs with their bias, then SiLU, then the product).
+ * Why: through the scratch, a 64-row llama-120m gate/up call read its gate and up rows back from
+ * L2 a row stride apart, ~40 us of ~330 even with the rows prefetched. The gate passes fetch the
+ * next pair's gate panel, the up passes its up panel. */
+static void pair_amx(const gemm_args *a, int64_t g, int64_t u, int64_t next_g, int64_t next_u) {
+    const int64_t passes = (a->M + AMX_PASS_ROWS - 1) / AMX_PASS_ROWS, n0 = g * PANEL_COLS;
+    float gate[AMX_PASS_ROWS][PANEL_COLS] __attribute__((aligned(64)));
+    float up[AMX_PASS_ROWS][PANEL_COLS] __attribute__((aligned(64)));
+    const uint16_t *bias_g = a->bias ? (const uint16_t *)a->bias + n0 : NULL;
+    const uint16_t *bias_u = a->bias ? (const uint16_t *)a->bias + u * PANEL_COLS : NULL;
+    for (int64_t i = 0; i < passes; i++) {
+        const int64_t m0 = i * AMX_PASS_ROWS;
+        const int two = a->M - m0 > AMX_ROWS;
+        int64_t lines, per_step;
+        const char *ahead = amx_fetch_share(a, next_g, i, passes, &lines, &per_step);
+        tile_amx_sums(a, g, m0, two, ahead, lines, per_step, gate);
+        ahead = amx_fetch_share(a, next_u, i, passes, &lines, &per_step);
+        tile_amx_sums(a, u, m0, two, ahead, lines, per_step, up);
+        for (int64_t m = 0, rows = amx_pass_rows(a, m0); m < rows; m++) {
+            uint16_t *act = (uint16_t *)a->act + (m0 + m) * a->ld_act + n0;
+            for (int v = 0; v < PANEL_VECS; v++) {
+                VEC gv = VLOAD(gate[m] + v * VLEN), uv = VLOAD(up[m] + v * VLEN);
+                if (bias_g) {
+                    gv = VADD(gv, load_bf16(bias_g + v * VLEN));
+                    uv = VADD(uv, load_bf16(bias_u + v * VLEN));
+                }
+                const __m512 rounded_silu = round_bf16_16(silu16(round_bf16_16(gv)));
+                _mm256_storeu_si256((__m256i *)(act + v * VLEN), bf16_bits16(_mm512_mul_ps(rounded_silu, round_bf16_16(uv))));
+            }
+        }
+    }
+}
+
+/* A thread's SwiGLU chunks on AMX (see take_chunks): pair by pair, each fetching the next one's
+ * panels, the thread's next chunk taken when its last pair starts. */
+static void take_pairs_amx(const gemm_args *a, int64_t *counter, int64_t chunks, int64_t panels, int64_t half) {
+    const int64_t up_offset = half / PANEL_COLS;
+    int64_t c = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+    while (c < chunks) {
+        const int64_t begin = c * CHUNK_PANELS, end = begin + CHUNK_PANELS < panels ? begin + CHUNK_PANELS : panels;
+        int64_t c_next = chunks;
+        for (int64_t g = begin; g < end; g++) {
+            int64_t next = g + 1;
+            if (next == end) {
+                c_next = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+                next = c_next < chunks ? c_next * CHUNK_PANELS : -1;
+            }
+            pair_amx(a, g, g + up_offset, next, next < 0 ? -1 : next + up_offset);
+        }
+        c = c_next;
     }
 }
 
@@ -669,17 +741,42 @@ static int panel_rows(const gemm_args *a, int64_t p, int64_t next, int prefetche
 /* act[m, n] = silu(gate) * up for n in [n_begin, n_end), gate = y[m, n], up = y[m, half + n], as
  * torch's F.silu(gate) * up (in fp32; its vectorised exp and exp_nonpositive differ by about an
  * ulp), and in bf16 with silu and the product each rounded to bf16, as two bf16 torch ops round. */
+
 static void swiglu_rows(const gemm_args *a, int64_t n_begin, int64_t n_end, int64_t half) {
+    const int64_t elem = a->bf16 ? 2 : 4, bytes = (n_end - n_begin) * elem;
     for (int64_t m = 0; m < a->M; m++) {
+        int64_t n = n_begin;
+        /* The chunk's rows are in L2 by now (its panels' weights and inputs pushed them out of
+         * L1), a row stride apart: no prefetcher follows that, so each row waited on its loads
+         * (at 64 rows ~100 us of a llama-120m gate/up call). Fetch SWIGLU_AHEAD rows ahead. */
+        if (m + SWIGLU_AHEAD < a->M) {
+            const char *next = (const char *)a->y + ((m + SWIGLU_AHEAD) * a->ldy + n_begin) * elem;
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch(next + b, 0, 3);
+                __builtin_prefetch(next + half * elem + b, 0, 3);
+            }
+        }
         if (!a->bf16) {
             const float *restrict gate = (const float *)a->y + m * a->ldy, *restrict up = gate + half;
             float *restrict act = (float *)a->act + m * a->ld_act;
-            for (int64_t n = n_begin; n < n_end; n++) act[n] = silu(gate[n]) * up[n];
+#ifdef __AVX512F__
+            for (; n + 16 <= n_end; n += 16)
+                _mm512_storeu_ps(act + n, _mm512_mul_ps(silu16(_mm512_loadu_ps(gate + n)), _mm512_loadu_ps(up + n)));
+#endif
+            for (; n < n_end; n++) act[n] = silu(gate[n]) * up[n];
             continue;
         }
         const uint16_t *restrict gate = (const uint16_t *)a->y + m * a->ldy, *restrict up = gate + half;
         uint16_t *restrict act = (uint16_t *)a->act + m * a->ld_act;
-        for (int64_t n = n_begin; n < n_end; n++) {
+#ifdef __AVX512F__
+        /* Written out: GCC's own vectorisation of the loop below ran at ~5 cycles an element (a
+         * 64-row llama-120m SwiGLU call spent a quarter of its time here). */
+        for (; n + 16 <= n_end; n += 16) {
+            const __m512 rounded_silu = round_bf16_16(silu16(load_bf16(gate + n)));
+            _mm256_storeu_si256((__m256i *)(act + n), bf16_bits16(_mm512_mul_ps(rounded_silu, load_bf16(up + n))));
+        }
+#endif
+        for (; n < n_end; n++) {
             const float rounded_silu = bf16_to_float(float_to_bf16(silu(bf16_to_float(gate[n]))));
             act[n] = float_to_bf16(rounded_silu * bf16_to_float(up[n]));
         }
@@ -704,6 +801,11 @@ static int64_t chunk_panel(const gemm_args *a, int64_t c, int64_t i, int64_t pan
 static void take_chunks(const gemm_args *a, int64_t *counter, int64_t chunks, int64_t panels, int64_t half) {
 #ifdef SMALL_GEMM_AMX
     if (a->amx) amx_configure();
+    if (a->amx && a->act && AMX_PAIRS) {
+        take_pairs_amx(a, counter, chunks, panels, half);
+        _tile_release();
+        return;
+    }
 #endif
     int64_t c = __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
     int prefetched = 0;
@@ -778,6 +880,13 @@ static void copy_input(const gemm_args *a, int64_t part, int64_t parts) {
                 for (int64_t m = 0; m < rows; m++) out[k * rows + m] = k < K ? src[m * ldx + k] : 0.0f;
             continue;
         }
+        if (bf16 && BF16_READS_XB_ONLY) { /* blocked above, else row-major rows zero-padded to Kp */
+            for (int64_t m = m0; !x_blocked && m < m0 + rows; m++) {
+                memcpy(xb + m * Kp, (const uint16_t *)x + m * ldx, (size_t)K * sizeof(uint16_t));
+                memset(xb + m * Kp + K, 0, (size_t)(Kp - K) * sizeof(uint16_t));
+            }
+            continue;
+        }
         for (int64_t m = m0; m < m0 + rows; m++)
             for (int64_t k = 0; k < Kp; k++) {
                 if (!bf16) {
@@ -827,7 +936,11 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
                           int64_t ld_add, void *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int bf16,
                           void *act, int64_t ld_act) {
     if (act && (add || N % (2 * PANEL_COLS) || ld_act < N / 2)) return -1;
-    if (act) ldy = N;
+    /* The SwiGLU scratch's rows are padded by a cache line: N bf16 of llama-120m's 2 x 2048 are 8 KB,
+     * and rows a multiple of 4 KB apart fall into the same L1 set, so the 64 rows of a chunk's
+     * gate and up columns evicted each other before swiglu_rows read them back (a 64-row call
+     * spent ~120 us in that loop, against ~30 us with the padding). */
+    if (act) ldy = N + SCRATCH_PAD;
     if (M < 0 || M > MAX_ROWS_ANY || N < 0 || K < 0 || ldx < K || ldy < N || (add && ld_add < N)) return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t Kp = (K + K_ALIGN - 1) / K_ALIGN * K_ALIGN;
@@ -838,16 +951,18 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
      * tile loads read 16 or 32 rows whatever M is. */
     const int amx = bf16 && amx_takes(M, Kp);
     const int64_t padded_rows = amx ? (M + AMX_PASS_ROWS - 1) / AMX_PASS_ROWS * AMX_PASS_ROWS : M;
-    float *xf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    float *xf = bf16 && BF16_READS_XB_ONLY ? NULL : aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     uint16_t *xb = bf16 ? aligned_alloc(64, ((size_t)(padded_rows * Kp) * sizeof(uint16_t) + 63) / 64 * 64) : NULL;
-    void *scratch = act ? malloc((size_t)(M * N) * (bf16 ? sizeof(uint16_t) : sizeof(float))) : NULL;
-    if (!xf || (bf16 && !xb) || (act && !scratch)) {
+    /* SwiGLU on AMX needs no scratch (pair_amx); elsewhere the GEMM goes through one. */
+    const int via_scratch = act && !(amx && AMX_PAIRS);
+    void *scratch = via_scratch ? malloc((size_t)(M * ldy) * (bf16 ? sizeof(uint16_t) : sizeof(float))) : NULL;
+    if ((!xf && !(bf16 && BF16_READS_XB_ONLY)) || (bf16 && !xb) || (via_scratch && !scratch)) {
         free(xf);
         free(xb);
         free(scratch);
         return -2;
     }
-    if (act) y = scratch;
+    if (act) y = scratch; /* NULL on AMX: pair_amx writes act directly */
 #ifdef HALF_TILES
     const int x_blocked = !bf16 && M >= HALF_XB_MIN_ROWS; /* the half tiles (AVX2 fp32) */
 #else
@@ -898,7 +1013,12 @@ int small_gemm_max_rows(int bf16) {
      * at 32 and 48 rows, 0.87x at 64; its 32000-column LM head 0.78x at 48 rows, 0.86x at 64. Past
      * 64 rows (a prompt of up to 128 tokens), after the k loop lost its division and the input copy
      * its serial pass, 12 layers' GEMMs against the module path's oneDNN calls (SiLU and product as
-     * torch ops): 0.84x at 96 rows, 0.94x at 128, 1.03x at 192, 1.10x at 256. */
+     * torch ops): 0.84x at 96 rows, 0.94x at 128, 1.03x at 192, 1.10x at 256. bf16 up to 128
+     * rows once the input copy stopped writing an unread fp32 copy and SwiGLU took its sums
+     * straight from the AMX passes (pair_amx): 12 layers' GEMMs, weights from memory, against
+     * oneDNN's AMX calls with SiLU and product as post-ops, 0.98-1.02x at 65-96 rows, 0.91-0.93x
+     * at 112-128; a 128-token bf16 prefill forward took 0.90-0.95x the time with 128 as the cap
+     * than with 64 (3 alternations). */
     if (amx_permitted()) return bf16 ? AMX_MAX_ROWS : MAX_ROWS_ANY;
     return bf16 ? 24 : 32;
 #elif defined(HALF_TILES)

@@ -113,7 +113,7 @@ def amx_available() -> bool:
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """The most rows :func:`small_linear` takes here for ``dtype`` weights (``small_gemm_max_rows``
     of this CPU's build: with AVX2 64 in fp32 and 8 in bf16; with AVX-512 32 in fp32 and 24 in
-    bf16; where the kernel has AMX tiles (an Intel core) 128 in fp32 and 64 in bf16; 4 in bf16
+    bf16; where the kernel has AMX tiles (an Intel core) 128 in fp32 and in bf16; 4 in bf16
     where only oneDNN has AMX: :data:`AMX_BF16_MAX_ROWS`); 0 when the kernel is unavailable."""
     return _row_limit("small_gemm_max_rows", dtype, AMX_BF16_MAX_ROWS)
 

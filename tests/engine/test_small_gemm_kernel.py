@@ -188,6 +188,49 @@ def test_swiglu_is_silu_of_gate_times_up(rows: int, half: int, k_in: int, kernel
     assert torch.all((got.float() - expected.float()).abs() <= spacing)
 
 
+@pytest.mark.skipif(not small_gemm.kernel_uses_amx(), reason="bf16 SwiGLU runs on AMX tiles only on a CPU with AMX")
+@pytest.mark.parametrize("rows", [2, 16, 17, 33, 64, 128])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_swiglu_epilogue_is_bitwise_the_scratch_path(rows: int, with_bias: bool) -> None:
+    """On AMX a bf16 SwiGLU call applies SiLU and the product straight from each pass's sums
+    (``pair_amx``); the kernel built with ``-DAMX_PAIRS=0`` goes through the GEMM's bf16 output in a
+    scratch buffer and the separate SwiGLU loop instead. Same bits, padding rows and bias included,
+    and over every bf16 bit pattern as a gate (NaN, infinities, denormals)."""
+    import ctypes
+
+    from framework.kernels.build import build_and_load
+
+    scratch = build_and_load(small_gemm.SOURCE, "small_gemm_scratch_swiglu", [*small_gemm.CFLAGS, "-DAMX_PAIRS=0"])
+    scratch.small_gemm_swiglu.argtypes = small_gemm._load().small_gemm_swiglu.argtypes
+    scratch.small_gemm_swiglu.restype = ctypes.c_int
+    fused = small_gemm._swiglu_fn()
+
+    def both(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        packed, n, k = small_gemm.pack_weight(w), w.shape[0], x.shape[1]
+        outs = []
+        for fn in (fused, scratch.small_gemm_swiglu):
+            out = torch.full((x.shape[0], n // 2), float("nan"), dtype=torch.bfloat16)
+            rc = fn(x.data_ptr(), k, packed.data.data_ptr(), None if bias is None else bias.data_ptr(),
+                    out.data_ptr(), n // 2, x.shape[0], n, k, 2, 1)
+            assert rc == 0
+            outs.append(out.view(torch.int16))
+        return outs[0], outs[1]
+
+    g = torch.Generator().manual_seed(rows)
+    for half, k_in in ((64, 96), (2048, 768), (96, 64)):
+        x = (torch.randn(rows, k_in, generator=g) * 3).bfloat16()
+        w = (torch.randn(2 * half, k_in, generator=g) / k_in**0.5).bfloat16()
+        bias = torch.randn(2 * half, generator=g).bfloat16() if with_bias else None
+        got, expected = both(x, w, bias)
+        assert torch.equal(got, expected)
+    # Identity weights pass every bf16 pattern through as both gate and up.
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 64)
+    eye = torch.cat([torch.eye(64), torch.eye(64)]).bfloat16()
+    for start in range(0, patterns.shape[0], rows):
+        got, expected = both(patterns[start:start + rows].contiguous(), eye, None)
+        assert torch.equal(got, expected)
+
+
 def test_swiglu_steps_aside_where_it_does_not_apply() -> None:
     """A half that does not start a panel, or a residual add, is not fused (the caller runs the ops)."""
     x = torch.randn(2, 16)
@@ -201,11 +244,11 @@ def test_row_limit_per_dtype() -> None:
     """The build's row limits: on AVX2 64 in fp32 (its half-panel tiles) and 8 in bf16, 8 in plain
     C; with AVX-512 32 in fp32 and 24 in bf16 (oneDNN's bf16 GEMM out-computes the kernel sooner
     once the weight stream no longer bounds it); where the kernel itself runs on AMX tiles (an Intel
-    core, on which oneDNN's fp32 GEMM also overtakes it later) 128 in fp32 and 64 in bf16, 4 in bf16
+    core, on which oneDNN's fp32 GEMM also overtakes it later) 128 in fp32 and in bf16, 4 in bf16
     where only oneDNN has AMX. A fused decode step takes at most 64 rows on any build."""
     fp32, bf16 = small_gemm.max_rows(torch.float32), small_gemm.max_rows(torch.bfloat16)
     if small_gemm.kernel_uses_amx():
-        avx512 = (128, 64)
+        avx512 = (128, 128)
     else:
         avx512 = (32, small_gemm.AMX_BF16_MAX_ROWS if small_gemm.amx_available() else 24)
     flags = _cpu_flags()
