@@ -16,8 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 from framework.config.schema import Device
 from framework.errors import ConfigError
 
-AUTO_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 1024}
-"""``scheduler.max_prefill_tokens: null`` per device (see the schema's docstring for why CPU differs)."""
+AUTO_MAX_PREFILL_TOKENS = {"cuda": 16384}
+"""``scheduler.max_prefill_tokens: null`` per device; on CPU it stays null here and the scheduler
+resolves it by the dtype the weights are served in (:func:`cpu_max_prefill_tokens`), which is
+known only once the checkpoint's config is read."""
+CPU_MAX_PREFILL_TOKENS = {"bfloat16": 2048}
+"""``scheduler.max_prefill_tokens: null`` on CPU per served dtype; any other dtype gets 1024 (see
+the schema's docstring for both)."""
 AUTO_MIXED_CHUNK = {"cuda": False, "cpu": True}
 """``scheduler.mixed_chunk: null`` per device, where mixed steps can run at all."""
 AUTO_MIXED_MIN_RUNNING = {"cuda": 1, "cpu": 32}
@@ -78,7 +83,7 @@ def mixed_steps_possible(cfg: DictConfig) -> bool:
 def resolve_scheduler_budgets(cfg: DictConfig, device: str) -> None:
     """``null`` prefill budget and mixed-step settings resolved per device."""
     sched = cfg.scheduler
-    if sched.max_prefill_tokens is None:
+    if sched.max_prefill_tokens is None and device in AUTO_MAX_PREFILL_TOKENS:
         sched.max_prefill_tokens = AUTO_MAX_PREFILL_TOKENS[device]
     if sched.mixed_chunk is None:
         sched.mixed_chunk = AUTO_MIXED_CHUNK[device] and mixed_steps_possible(cfg)
@@ -86,6 +91,12 @@ def resolve_scheduler_budgets(cfg: DictConfig, device: str) -> None:
         sched.mixed_chunk_min_running = AUTO_MIXED_MIN_RUNNING[device]
     if sched.mixed_chunk_max_tokens is None:
         sched.mixed_chunk_max_tokens = AUTO_MIXED_MAX_TOKENS.get(device, sched.max_prefill_tokens)
+
+
+def cpu_max_prefill_tokens(dtype: Any) -> int:
+    """``scheduler.max_prefill_tokens: null`` on CPU for weights served in ``dtype`` (a torch dtype
+    or its name)."""
+    return CPU_MAX_PREFILL_TOKENS.get(str(dtype).removeprefix("torch."), 1024)
 
 
 def _auto(registry: Any, kind: str, device: str, key: str, accept: Any = lambda c: True) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from framework.config.auto import cpu_max_prefill_tokens
 from framework.config.schema import PlugserveConfig
 from framework.errors import ConfigError
 from framework.executor.model_runner import ModelRunner
@@ -83,6 +84,8 @@ class Scheduler:
         self.kv = KVManager(self.runner.req_pool, self.runner.allocator, settings.radix_cache.enabled)
         policy_comp = self.plugins.registry.get("schedule_policy", self.cfg.policy, key="scheduler.policy")
         self.policy = policy_comp.factory(policy_comp.make_options(self.cfg.policy_options))
+        if self.cfg.max_prefill_tokens is None:  # CPU auto: by the served dtype (framework.config.auto)
+            self.cfg.max_prefill_tokens = cpu_max_prefill_tokens(getattr(self.runner, "dtype", None))
         self.planner = PrefillPlanner(self.cfg, self.kv, self.policy, self.max_running)
         self.sampler = Sampler()
         self.grammar = GrammarQueue(settings, tokenizer, self.runner.vocab_size)

@@ -126,6 +126,7 @@ def test_engine_auto_bf16_matches_transformers_bf16(bf16_checkpoint: Path, monke
     monkeypatch.setattr(cpu_features, "cpu_has_native_bf16", yes)
     eng, tokens, logprobs = _engine_run(bf16_checkpoint)
     assert eng.runner.dtype == torch.bfloat16
+    assert eng.scheduler.cfg.max_prefill_tokens == 2048  # the CPU auto budget follows the served dtype
     hf = transformers.LlamaForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.bfloat16).eval()
     exact = 0
     for prompt, out, lps in zip(PROMPTS, tokens, logprobs, strict=True):
@@ -145,9 +146,23 @@ def test_engine_auto_fp32_without_native_bf16_matches_transformers_fp32(
     monkeypatch.setattr(cpu_features, "cpu_has_native_bf16", no)
     eng, tokens, _ = _engine_run(bf16_checkpoint)
     assert eng.runner.dtype == torch.float32
+    assert eng.scheduler.cfg.max_prefill_tokens == 1024
     hf = transformers.LlamaForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, tokens, strict=True):
         ids = torch.tensor([prompt])
         want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
                            pad_token_id=0, eos_token_id=None)[0, len(prompt) :].tolist()
         assert out == want
+
+
+@pytest.mark.parametrize(("dtype", "budget"), [("bfloat16", 2048), ("float32", 1024)])
+def test_cpu_prefill_budget_follows_the_served_dtype_unless_set(tiny_model: Path, dtype: str, budget: int) -> None:
+    """``scheduler.max_prefill_tokens: null`` on CPU: 2048 for weights served in bf16, 1024
+    otherwise, resolved once the dtype is known; a value the user sets is kept as it is."""
+    base = [f"model.path={tiny_model}", f"model.dtype={dtype}", "kv_cache.max_total_tokens=512"]
+    eng = Engine(overrides=base, progress=False)
+    assert eng.scheduler.cfg.max_prefill_tokens == eng.scheduler.planner.cfg.max_prefill_tokens == budget
+    eng.close()
+    eng = Engine(overrides=[*base, "scheduler.max_prefill_tokens=300"], progress=False)
+    assert eng.scheduler.cfg.max_prefill_tokens == 300
+    eng.close()
