@@ -106,6 +106,7 @@ typedef struct {
     void *act; int64_t ld_act;     /* SwiGLU output (M rows of N / 2, the weight's type), or NULL: then y
                                     * is a scratch [gate; up] and act gets silu(gate) * up */
     const void *src; int64_t ldsrc, K, padded_rows;  /* the caller's input, x and xb made from it */
+    int out_f32;                   /* bf16 only: y is float, each output its bf16 rounding widened back */
 } gemm_args;
 
 /* One output's epilogue: bias and the fused residual add, then the store. bf16 rounds the linear's
@@ -120,7 +121,10 @@ static inline void store(const gemm_args *a, int64_t m, int64_t n, float acc) {
     if (a->bias) acc += bf16_to_float(((const uint16_t *)a->bias)[n]);
     uint16_t out = float_to_bf16(acc);
     if (a->add) out = float_to_bf16(bf16_to_float(out) + bf16_to_float(((const uint16_t *)a->add)[m * a->ld_add + n]));
-    ((uint16_t *)a->y)[m * a->ldy + n] = out;
+    if (a->out_f32)
+        ((float *)a->y)[m * a->ldy + n] = bf16_to_float(out);
+    else
+        ((uint16_t *)a->y)[m * a->ldy + n] = out;
 }
 
 /* The epilogue of one row of a tile, its PANEL_COLS sums in buf, output by output (the last
@@ -247,13 +251,17 @@ INLINE void finish_bf16_row(const gemm_args *a, int64_t panel, int64_t m, const 
 #ifdef __AVX512F__
     if (n0 + PANEL_COLS <= a->N) {
         uint16_t *y = (uint16_t *)a->y + m * a->ldy + n0;
+        float *y_f32 = (float *)a->y + m * a->ldy + n0;
         for (int v = 0; v < PANEL_VECS; v++) {
             VEC r = acc[v];
             if (a->bias) r = VADD(r, load_bf16((const uint16_t *)a->bias + n0 + v * VLEN));
             __m256i out = bf16_bits16(r);
             if (a->add)
                 out = bf16_bits16(VADD(widen_bf16(out), load_bf16((const uint16_t *)a->add + m * a->ld_add + n0 + v * VLEN)));
-            _mm256_storeu_si256((__m256i *)(y + v * VLEN), out);
+            if (a->out_f32)
+                _mm512_storeu_ps(y_f32 + v * VLEN, widen_bf16(out));
+            else
+                _mm256_storeu_si256((__m256i *)(y + v * VLEN), out);
         }
         return;
     }
@@ -934,8 +942,9 @@ static int run(gemm_args *a, int threads) {
  * MAX_ROWS_ANY included), -2 when a scratch buffer cannot be allocated. */
 static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void *bias, const void *add,
                           int64_t ld_add, void *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int bf16,
-                          void *act, int64_t ld_act) {
+                          void *act, int64_t ld_act, int out_f32) {
     if (act && (add || N % (2 * PANEL_COLS) || ld_act < N / 2)) return -1;
+    if (out_f32 && (!bf16 || act)) return -1;
     /* The SwiGLU scratch's rows are padded by a cache line: N bf16 of llama-120m's 2 x 2048 are 8 KB,
      * and rows a multiple of 4 KB apart fall into the same L1 set, so the 64 rows of a chunk's
      * gate and up columns evicted each other before swiglu_rows read them back (a 64-row call
@@ -969,7 +978,7 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
     const int x_blocked = X_BLOCKED && (!bf16 || XB_BLOCKED) && M > MR_MAX && !amx;
 #endif
     gemm_args a = {xf, xb, w, bias, add, ld_add, y, ldy, M, N, Kp, bf16, x_blocked, amx, act, ld_act,
-                   x, ldx, K, padded_rows};
+                   x, ldx, K, padded_rows, out_f32};
     int rc = run(&a, threads);
     free(xf);
     free(xb);
@@ -979,12 +988,21 @@ static int small_gemm_any(const void *x, int64_t ldx, const void *w, const void 
 
 int small_gemm(const float *x, int64_t ldx, const float *w, const float *bias, const float *add,
                int64_t ld_add, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
-    return small_gemm_any(x, ldx, w, bias, add, ld_add, y, ldy, M, N, K, threads, 0, NULL, 0);
+    return small_gemm_any(x, ldx, w, bias, add, ld_add, y, ldy, M, N, K, threads, 0, NULL, 0, 0);
 }
 
 int small_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, const uint16_t *add,
                     int64_t ld_add, uint16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
-    return small_gemm_any(x, ldx, w, bias, add, ld_add, y, ldy, M, N, K, threads, 1, NULL, 0);
+    return small_gemm_any(x, ldx, w, bias, add, ld_add, y, ldy, M, N, K, threads, 1, NULL, 0, 0);
+}
+
+/* small_gemm_bf16 (no add) with float32 output: each output the bf16 value small_gemm_bf16 gives,
+ * widened (bitwise what `.float()` of its result reads). For the LM head, whose logits every
+ * consumer takes in fp32: the separate widening pass over [rows, vocab] took ~0.5 ms of a 64-row
+ * bf16 decode step. */
+int small_gemm_bf16_f32out(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias, float *y,
+                           int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    return small_gemm_any(x, ldx, w, bias, NULL, 0, y, ldy, M, N, K, threads, 1, NULL, 0, 1);
 }
 
 /* act = silu(x w_gate^T + b_gate) * (x w_up^T + b_up) for a merged [gate; up] weight of N rows (fp32,
@@ -992,7 +1010,7 @@ int small_gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const uin
  * by the thread that computed each pair of panels. See small_gemm_any for the rest. */
 int small_gemm_swiglu(const void *x, int64_t ldx, const void *w, const void *bias, void *act, int64_t ld_act,
                       int64_t M, int64_t N, int64_t K, int threads, int bf16) {
-    return small_gemm_any(x, ldx, w, bias, NULL, 0, NULL, 0, M, N, K, threads, bf16 != 0, act, ld_act);
+    return small_gemm_any(x, ldx, w, bias, NULL, 0, NULL, 0, M, N, K, threads, bf16 != 0, act, ld_act, 0);
 }
 
 /* The most rows a call should bring (small_gemm.py routes larger calls to oneDNN), for fp32 or

@@ -57,6 +57,8 @@ def _load() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
     lib.small_gemm_swiglu.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.small_gemm_swiglu.restype = ctypes.c_int
+    lib.small_gemm_bf16_f32out.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    lib.small_gemm_bf16_f32out.restype = ctypes.c_int
     for fn in (lib.small_gemm_max_rows, lib.small_gemm_fused_max_rows):
         fn.argtypes = [ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -177,7 +179,7 @@ def pack_weight(weight: torch.Tensor) -> PanelWeight:
 
 
 def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None,
-                 add: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor | None:
+                 add: torch.Tensor | None = None, swiglu: bool = False, float_out: bool = False) -> torch.Tensor | None:
     """``x @ W.T (+ bias) (+ add)`` as a new tensor of ``x``'s leading shape, or ``None`` when the
     kernel does not apply. ``weight`` is ``W`` from :func:`pack_weight`, fp32 or bf16, of ``x``'s
     dtype (as ``bias`` and ``add``). bf16 accumulates in fp32 and rounds the output, then rounds
@@ -186,6 +188,9 @@ def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
     ``swiglu``: ``W`` is a merged ``[gate; up]`` weight and the result is ``F.silu(gate) * up``
     (half as wide; bf16 rounds the GEMM, the SiLU and the product, as those torch ops do), in the
     same call; ``None`` also when half of ``W``'s rows is not a multiple of :data:`PANEL_COLS`.
+
+    ``float_out`` (bf16, no ``add`` or ``swiglu``): the result in float32, bitwise ``.float()`` of
+    the bf16 result, written by the kernel itself (the LM head: see :func:`float_linear`).
 
     Called ~60 times per decode step, so the checks are ordered for the common case (2-D rows, no
     reshape, no view): each tensor attribute costs a fraction of a microsecond, and this wrapper
@@ -200,6 +205,8 @@ def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
         return None
     n = weight.out_features
     if swiglu and (add is not None or n % (2 * PANEL_COLS)):
+        return None
+    if float_out and (dtype is not torch.bfloat16 or add is not None or swiglu):
         return None
     if torch.is_grad_enabled() and x.requires_grad:
         return None  # autograd cannot see through the kernel
@@ -219,8 +226,12 @@ def small_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
         if add2.stride(1) != 1 or add2.stride(0) < n:
             add2 = add2.contiguous()
     width = n // 2 if swiglu else n
-    out = torch.empty(rows, width, dtype=dtype)
-    if swiglu:
+    out = torch.empty(rows, width, dtype=torch.float32 if float_out else dtype)
+    if float_out:
+        rc = _float_out_fn()(x2.data_ptr(), x2.stride(0), weight.data.data_ptr(),
+                             None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows, n, k,
+                             torch.get_num_threads())
+    elif swiglu:
         rc = _swiglu_fn()(x2.data_ptr(), x2.stride(0), weight.data.data_ptr(),
                           None if bias is None else bias.data_ptr(), out.data_ptr(), width, rows, n, k,
                           torch.get_num_threads(), dtype is torch.bfloat16)
@@ -238,6 +249,13 @@ def _gemm_fn(fp32: bool) -> object | None:
     """The C function for fp32 or bf16 itself (a ctypes attribute lookup per call was measurable)."""
     lib = _load()
     return None if lib is None else (lib.small_gemm if fp32 else lib.small_gemm_bf16)
+
+
+@lru_cache(maxsize=1)
+def _float_out_fn() -> object | None:
+    """The C function of ``small_linear(..., float_out=True)`` (bf16)."""
+    lib = _load()
+    return None if lib is None else lib.small_gemm_bf16_f32out
 
 
 @lru_cache(maxsize=1)

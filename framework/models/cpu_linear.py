@@ -134,6 +134,15 @@ class PackedLinear(nn.Module):
             y = unpadded(y, x)
         return y if self.output_op is None else self.output_op(y)
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()``, bitwise; a bf16 call on the small-GEMM kernel writes the fp32 values
+        itself instead of a bf16 tensor and a widening pass over it (an LM head's logits)."""
+        if self.output_op is None and self.small_weight is not None and x.dtype == torch.bfloat16:
+            y = small_linear(x, self.small_weight, self.bias, float_out=True)
+            if y is not None:
+                return y
+        return self.forward(x).float()
+
     def forward_add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``linear(x) + other`` with the add done by oneDNN as a post-op while the output tile is
         still in cache (bitwise equal to the separate add: IEEE addition is commutative). Measured
@@ -234,6 +243,14 @@ class PackedSwiGLU(nn.Module):
 def _blas_rows(x: torch.Tensor, blas_weight: torch.Tensor | None) -> bool:
     """Whether a call with input ``x`` goes to ``F.linear`` on the dense copy (see BLAS_MIN_ROWS)."""
     return blas_weight is not None and x.numel() >= BLAS_MIN_ROWS * x.shape[-1]
+
+
+def float_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x).float()`` (an LM head's logits, which the sampler takes in fp32), the widening
+    done by the GEMM where ``linear`` is a :class:`PackedLinear` that can (bitwise the same)."""
+    if isinstance(linear, PackedLinear):
+        return linear.forward_float(x)
+    return linear(x).float()
 
 
 def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from framework.attention.base import Attention
-from framework.models.cpu_linear import linear_add
+from framework.models.cpu_linear import float_linear, linear_add
 from framework.models.fused_decode import FusableDecoderLayer, FusableDecoderStack
 from framework.models.layers import (
     FusableSwiGLU,
@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[n, vocab]`` for the given rows of hidden states (gathered from every
         tensor-parallel rank, so each rank samples from the full row)."""
-        return self.lm_head(hidden_states).float()
+        return float_linear(self.lm_head, hidden_states)
 
     def _shard_slices(self, merged: str) -> list[tuple[int, int]]:
         """Row ranges of each shard inside this rank's merged parameter (q, k, v or gate, up)."""

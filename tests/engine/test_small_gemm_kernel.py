@@ -12,6 +12,7 @@ from framework.kernels import small_gemm
 from framework.models.cpu_linear import (
     PackedLinear,
     PackedSwiGLU,
+    float_linear,
     onednn_linear_available,
     pack_linear_layers,
     packable_dtypes,
@@ -44,8 +45,11 @@ def kernel_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         fn.restype = ctypes.c_int
     lib.small_gemm_swiglu.argtypes = small_gemm._load().small_gemm_swiglu.argtypes
     lib.small_gemm_swiglu.restype = ctypes.c_int
+    lib.small_gemm_bf16_f32out.argtypes = small_gemm._load().small_gemm_bf16_f32out.argtypes
+    lib.small_gemm_bf16_f32out.restype = ctypes.c_int
     monkeypatch.setattr(small_gemm, "_gemm_fn", lambda fp32: lib.small_gemm if fp32 else lib.small_gemm_bf16)
     monkeypatch.setattr(small_gemm, "_swiglu_fn", lambda: lib.small_gemm_swiglu)
+    monkeypatch.setattr(small_gemm, "_float_out_fn", lambda: lib.small_gemm_bf16_f32out)
     # Every row count computes correctly on every build; the per-build limit is a speed choice.
     monkeypatch.setattr(small_gemm, "max_rows", lambda dtype=torch.float32: small_gemm.MAX_ROWS)
     return request.param
@@ -229,6 +233,27 @@ def test_amx_swiglu_epilogue_is_bitwise_the_scratch_path(rows: int, with_bias: b
     for start in range(0, patterns.shape[0], rows):
         got, expected = both(patterns[start:start + rows].contiguous(), eye, None)
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 37, 64, 128])
+@pytest.mark.parametrize("n_out,k_in", [(130, 768), (3, 8), (1000, 64)])
+def test_float_out_is_the_bf16_result_widened(rows: int, n_out: int, k_in: int, kernel_variant: str) -> None:
+    """``float_out=True`` (the LM head's logits): float32, bitwise ``.float()`` of the bf16 result,
+    bias and the last panel's padding columns included; refused for fp32, ``add`` and ``swiglu``."""
+    g = torch.Generator().manual_seed(rows * 7 + n_out)
+    x = torch.randn(rows, k_in, generator=g).bfloat16()
+    w = (torch.randn(n_out, k_in, generator=g) / k_in**0.5).bfloat16()
+    packed = small_gemm.pack_weight(w)
+    for bias in (None, torch.randn(n_out, generator=g).bfloat16()):
+        got = small_gemm.small_linear(x, packed, bias, float_out=True)
+        assert got is not None and got.dtype == torch.float32
+        assert torch.equal(got, small_gemm.small_linear(x, packed, bias).float())
+        # Within bf16 rounding of the exact product: the widening is of the right values.
+        torch.testing.assert_close(got, _reference(x.float(), w.float(), None if bias is None else bias.float()),
+                                   rtol=2**-7, atol=1e-2)
+    assert small_gemm.small_linear(x.float(), small_gemm.pack_weight(w.float()), float_out=True) is None
+    assert small_gemm.small_linear(x, packed, add=torch.zeros(rows, n_out, dtype=torch.bfloat16),
+                                   float_out=True) is None
 
 
 def test_swiglu_steps_aside_where_it_does_not_apply() -> None:
@@ -449,6 +474,10 @@ def test_packed_bf16_layers_agree_with_f_linear(rows: int) -> None:
         torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), **tol)
         torch.testing.assert_close(packed.forward_add(x, residual), residual + F.linear(x, lin.weight, lin.bias), **tol)
         torch.testing.assert_close(swiglu(x), SiluAndMul()(gate_up(x)), **tol)
+        # The LM head's path: fp32 logits bitwise those of the bf16 layer, on every path it takes.
+        logits = float_linear(packed, x)
+        assert logits.dtype == torch.float32 and torch.equal(logits, packed(x).float())
+        assert torch.equal(float_linear(lin, x), lin(x).float())
 
 
 def test_rows_past_the_kernels_limit_are_refused_by_the_c_side() -> None:
