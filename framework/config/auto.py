@@ -21,8 +21,8 @@ AUTO_MAX_PREFILL_TOKENS = {"cuda": 16384}
 resolves it by the dtype the weights are served in (:func:`cpu_max_prefill_tokens`), which is
 known only once the checkpoint's config is read."""
 CPU_MAX_PREFILL_TOKENS = {"bfloat16": 2048}
-"""``scheduler.max_prefill_tokens: null`` on CPU per served dtype; any other dtype gets 1024 (see
-the schema's docstring for both)."""
+"""``scheduler.max_prefill_tokens: null`` on a CPU with AMX tiles per served dtype; any other dtype,
+or a CPU without AMX, gets 1024 (see the schema's docstring for both)."""
 AUTO_MIXED_CHUNK = {"cuda": False, "cpu": True}
 """``scheduler.mixed_chunk: null`` per device, where mixed steps can run at all."""
 AUTO_MIXED_MIN_RUNNING = {"cuda": 1, "cpu": 32}
@@ -93,10 +93,11 @@ def resolve_scheduler_budgets(cfg: DictConfig, device: str) -> None:
         sched.mixed_chunk_max_tokens = AUTO_MIXED_MAX_TOKENS.get(device, sched.max_prefill_tokens)
 
 
-def cpu_max_prefill_tokens(dtype: Any) -> int:
+def cpu_max_prefill_tokens(dtype: Any, amx: bool) -> int:
     """``scheduler.max_prefill_tokens: null`` on CPU for weights served in ``dtype`` (a torch dtype
-    or its name)."""
-    return CPU_MAX_PREFILL_TOKENS.get(str(dtype).removeprefix("torch."), 1024)
+    or its name), ``amx`` whether oneDNN multiplies on AMX tiles here (the larger bf16 budget was
+    measured there only)."""
+    return CPU_MAX_PREFILL_TOKENS.get(str(dtype).removeprefix("torch."), 1024) if amx else 1024
 
 
 def _auto(registry: Any, kind: str, device: str, key: str, accept: Any = lambda c: True) -> str:

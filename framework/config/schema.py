@@ -211,7 +211,8 @@ class SchedulerConfig:
     """Token budget of one prefill batch. null (auto): 16384 on GPU (SGLang's default); on CPU 1024,
     where fp32 GEMMs slow down once the activations outgrow the caches (measured on 2 Zen 4 cores:
     ~205 GFLOP/s at 1024 rows, ~160 at 8192; a 64 x 128-token prefill took 7.8 s instead of 10.8),
-    and 2048 for weights served in bf16, whose GEMMs on AMX still gain from 1024 to ~2000 rows and
+    and 2048 for weights served in bf16 where oneDNN has AMX tiles (measured there only; other
+    CPUs keep 1024), whose GEMMs on AMX still gain from 1024 to ~2000 rows and
     where a wave of 16 128-token prompts then prefills in one step instead of two (at 16 streams on
     Sapphire Rapids: p99 TTFT 277-321 ms instead of 366-402, the same throughput; docs/benchmarks.md).
     The CPU value is resolved by the scheduler once the served dtype is known; until then it reads

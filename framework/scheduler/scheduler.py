@@ -32,6 +32,7 @@ from framework.config.auto import cpu_max_prefill_tokens
 from framework.config.schema import PlugserveConfig
 from framework.errors import ConfigError
 from framework.executor.model_runner import ModelRunner
+from framework.kernels.small_gemm import amx_available
 from framework.plugins import get_plugins
 from framework.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from framework.scheduler.admission import AdmissionError, check_admission
@@ -85,7 +86,7 @@ class Scheduler:
         policy_comp = self.plugins.registry.get("schedule_policy", self.cfg.policy, key="scheduler.policy")
         self.policy = policy_comp.factory(policy_comp.make_options(self.cfg.policy_options))
         if self.cfg.max_prefill_tokens is None:  # CPU auto: by the served dtype (framework.config.auto)
-            self.cfg.max_prefill_tokens = cpu_max_prefill_tokens(getattr(self.runner, "dtype", None))
+            self.cfg.max_prefill_tokens = cpu_max_prefill_tokens(getattr(self.runner, "dtype", None), amx_available())
         self.planner = PrefillPlanner(self.cfg, self.kv, self.policy, self.max_running)
         self.sampler = Sampler()
         self.grammar = GrammarQueue(settings, tokenizer, self.runner.vocab_size)

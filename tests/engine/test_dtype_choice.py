@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from framework import Engine
+from framework.kernels.small_gemm import amx_available
 from framework.models import cpu_features
 from framework.models.cpu_features import cpu_has_native_bf16, flags_have_native_bf16
 from framework.models.loader import resolve_dtype
@@ -126,7 +127,8 @@ def test_engine_auto_bf16_matches_transformers_bf16(bf16_checkpoint: Path, monke
     monkeypatch.setattr(cpu_features, "cpu_has_native_bf16", yes)
     eng, tokens, logprobs = _engine_run(bf16_checkpoint)
     assert eng.runner.dtype == torch.bfloat16
-    assert eng.scheduler.cfg.max_prefill_tokens == 2048  # the CPU auto budget follows the served dtype
+    # The CPU auto budget follows the served dtype (2048 for bf16 where oneDNN has AMX tiles).
+    assert eng.scheduler.cfg.max_prefill_tokens == (2048 if amx_available() else 1024)
     hf = transformers.LlamaForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.bfloat16).eval()
     exact = 0
     for prompt, out, lps in zip(PROMPTS, tokens, logprobs, strict=True):
@@ -156,9 +158,16 @@ def test_engine_auto_fp32_without_native_bf16_matches_transformers_fp32(
 
 
 @pytest.mark.parametrize(("dtype", "budget"), [("bfloat16", 2048), ("float32", 1024)])
-def test_cpu_prefill_budget_follows_the_served_dtype_unless_set(tiny_model: Path, dtype: str, budget: int) -> None:
-    """``scheduler.max_prefill_tokens: null`` on CPU: 2048 for weights served in bf16, 1024
-    otherwise, resolved once the dtype is known; a value the user sets is kept as it is."""
+@pytest.mark.parametrize("amx", [True, False])
+def test_cpu_prefill_budget_follows_the_served_dtype_unless_set(tiny_model: Path, dtype: str, budget: int, amx: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``scheduler.max_prefill_tokens: null`` on CPU: 2048 for weights served in bf16 where oneDNN
+    has AMX tiles, 1024 otherwise, resolved once the dtype is known; a value the user sets is kept
+    as it is. (The AMX probe is injected: the budget is a choice, the engine runs either way.)"""
+    import framework.scheduler.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "amx_available", lambda: amx)
+    budget = budget if amx else 1024
     base = [f"model.path={tiny_model}", f"model.dtype={dtype}", "kv_cache.max_total_tokens=512"]
     eng = Engine(overrides=base, progress=False)
     assert eng.scheduler.cfg.max_prefill_tokens == eng.scheduler.planner.cfg.max_prefill_tokens == budget
