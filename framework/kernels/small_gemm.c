@@ -271,6 +271,14 @@ INLINE void finish_bf16_row(const gemm_args *a, int64_t panel, int64_t m, const 
     store_row(a, panel, m, buf);
 }
 
+#ifdef __AVX512F__
+/* bf16 SwiGLU of 16 lanes whose gate and up are bf16 values (widened): SiLU rounded to bf16, then the
+ * product rounded, as two bf16 torch ops round. pair_amx and swiglu_rows both end here. */
+INLINE __m256i swiglu_bf16_16(__m512 gate, __m512 up) {
+    return bf16_bits16(_mm512_mul_ps(round_bf16_16(silu16(gate)), up));
+}
+#endif
+
 /* The epilogue of a bf16 tile. */
 INLINE void finish_bf16(const gemm_args *a, int64_t panel, int64_t m0, const int mr, VEC acc[MR_MAX][PANEL_VECS]) {
     for (int m = 0; m < mr; m++) finish_bf16_row(a, panel, m0 + m, acc[m]);
@@ -653,8 +661,7 @@ static void pair_amx(const gemm_args *a, int64_t g, int64_t u, int64_t next_g, i
                     gv = VADD(gv, load_bf16(bias_g + v * VLEN));
                     uv = VADD(uv, load_bf16(bias_u + v * VLEN));
                 }
-                const __m512 rounded_silu = round_bf16_16(silu16(round_bf16_16(gv)));
-                _mm256_storeu_si256((__m256i *)(act + v * VLEN), bf16_bits16(_mm512_mul_ps(rounded_silu, round_bf16_16(uv))));
+                _mm256_storeu_si256((__m256i *)(act + v * VLEN), swiglu_bf16_16(round_bf16_16(gv), round_bf16_16(uv)));
             }
         }
     }
@@ -777,10 +784,8 @@ static void swiglu_rows(const gemm_args *a, int64_t n_begin, int64_t n_end, int6
         uint16_t *restrict act = (uint16_t *)a->act + m * a->ld_act;
 #ifdef __AVX512F__
         /* 16 lanes: silu16, the arithmetic pair_amx applies too, bitwise the scalar loop below. */
-        for (; n + 16 <= n_end; n += 16) {
-            const __m512 rounded_silu = round_bf16_16(silu16(load_bf16(gate + n)));
-            _mm256_storeu_si256((__m256i *)(act + n), bf16_bits16(_mm512_mul_ps(rounded_silu, load_bf16(up + n))));
-        }
+        for (; n + 16 <= n_end; n += 16)
+            _mm256_storeu_si256((__m256i *)(act + n), swiglu_bf16_16(load_bf16(gate + n), load_bf16(up + n)));
 #endif
         for (; n < n_end; n++) {
             const float rounded_silu = bf16_to_float(float_to_bf16(silu(bf16_to_float(gate[n]))));

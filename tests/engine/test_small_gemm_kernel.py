@@ -254,6 +254,8 @@ def test_float_out_is_the_bf16_result_widened(rows: int, n_out: int, k_in: int, 
     assert small_gemm.small_linear(x.float(), small_gemm.pack_weight(w.float()), float_out=True) is None
     assert small_gemm.small_linear(x, packed, add=torch.zeros(rows, n_out, dtype=torch.bfloat16),
                                    float_out=True) is None
+    merged = small_gemm.pack_weight(torch.randn(64, k_in, generator=g).bfloat16())
+    assert small_gemm.small_linear(x, merged, swiglu=True, float_out=True) is None
 
 
 def test_swiglu_steps_aside_where_it_does_not_apply() -> None:
