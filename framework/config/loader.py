@@ -167,6 +167,8 @@ def _check_values(cfg: DictConfig) -> None:
         ("server.body_read_timeout_s", cfg.server.body_read_timeout_s > 0, "> 0"),
         ("server.shutdown_timeout_s", cfg.server.shutdown_timeout_s >= 0, ">= 0"),
         ("server.first_token_wait_ms", 0 <= cfg.server.first_token_wait_ms <= 1000, "in [0, 1000]"),
+        ("server.event_loop", cfg.server.event_loop in ("auto", "uvloop", "asyncio"), "one of auto, uvloop, asyncio"),
+        ("server.http_parser", cfg.server.http_parser in ("auto", "httptools", "h11"), "one of auto, httptools, h11"),
         ("parallel.dp_size", cfg.parallel.dp_size >= 1, ">= 1"),
         # Every replica would bind the same bootstrap / transfer ports: run several PD servers
         # behind the router instead.

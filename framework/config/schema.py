@@ -378,6 +378,15 @@ class ServerConfig:
     long the scheduler process has to exit before it is terminated."""
     max_weight_update_bytes: int = 1 << 30
     """Body limit of ``/update_weights_from_tensor`` (base64 tensors; send big models in chunks)."""
+    event_loop: str = "auto"
+    """The HTTP process's asyncio event loop: ``uvloop`` (libuv, what ``uvicorn[standard]`` and
+    vLLM's and SGLang's servers run), ``asyncio`` (the standard library's), or ``auto``: uvloop when
+    it is installed. On the 2-core test host the standard loop cost the served TTFT ~1 ms and the
+    HTTP process more CPU per streamed token (docs/benchmarks.md)."""
+    http_parser: str = "auto"
+    """The HTTP/1.1 protocol: ``httptools`` (llhttp, in C), ``h11`` (pure Python), or ``auto``:
+    httptools when it is installed. Both get the same limits and error shapes
+    (:mod:`framework.server.connection`)."""
     rollout_timeout_s: float = 600.0
     """How long an RL call (``/release_memory_occupation``, ``/update_weights_*``, ...) may wait for
     the scheduler: for running requests to finish, weights to load, a trainer to join a group."""

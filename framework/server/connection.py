@@ -1,8 +1,8 @@
-"""The HTTP/1.1 connection protocol: uvicorn's h11 protocol with the limits it lacks.
+"""The HTTP/1.1 connection protocols: uvicorn's httptools and h11 protocols with the limits they lack.
 
 uvicorn closes an idle keep-alive connection only after a response, so a connection that never
 sends a request, sends its headers a line at a time, or is one of thousands stays open forever.
-This subclass adds, per connection:
+:class:`ConnectionGuard` adds, per connection, to whichever of uvicorn's protocols serves it:
 
 - a header deadline (``server.header_read_timeout_s``) from the moment the connection opens or
   the next request's first byte arrives until that request's headers are complete: an idle
@@ -11,6 +11,11 @@ This subclass adds, per connection:
   :class:`~framework.server.request_guard.RequestGuard` answers its request with a 503;
 - malformed HTTP (a bad Content-Length or chunk size, a control character in the target) gets a
   400 in the API's JSON error shape instead of uvicorn's plain text.
+
+``server.http_parser`` picks the protocol: httptools (llhttp, in C; what ``uvicorn[standard]``
+runs and vLLM and SGLang serve with) or h11 (pure Python). ``auto`` takes httptools when it is
+installed. On the 2-core test host h11 cost the HTTP process ~15% more CPU per streamed token,
+CPU the model's threads lose (docs/benchmarks.md).
 
 The body deadline lives in the request guard, which reads every body.
 """
@@ -29,6 +34,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from framework.server.errors import APIError
 from framework.server.request_guard import OVER_CAPACITY
 
+HTTP_PARSERS = ("auto", "httptools", "h11")
+"""The values of ``server.http_parser``."""
+
 
 @dataclass(frozen=True)
 class ConnectionLimits:
@@ -38,8 +46,13 @@ class ConnectionLimits:
     header_read_timeout_s: float
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header deadline, a connection cap and JSON errors."""
+class ConnectionGuard(asyncio.Protocol):
+    """The limits, for a uvicorn protocol class that comes after it in the bases.
+
+    A subclass says whether the connection waits for a request's headers
+    (:meth:`_awaiting_headers`) and whether a response is being written (:meth:`_responding`);
+    the rest is common.
+    """
 
     limits = ConnectionLimits(max_connections=1024, header_read_timeout_s=20.0)
     """Replaced per server by :func:`protocol_class`."""
@@ -49,22 +62,31 @@ class GuardedH11Protocol(H11Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._partial_request = False
 
+    # what the protocol knows (each subclass asks its parser)
+
+    def _awaiting_headers(self) -> bool:
+        raise NotImplementedError
+
+    def _responding(self) -> bool:
+        raise NotImplementedError
+
+    # asyncio.Protocol, wrapped
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
+        if len(self.connections) > self.limits.max_connections:  # type: ignore[attr-defined]
             # Answered (503) once its request arrives: refusing before reading it would reset the
             # connection under a client that is still sending.
-            self.app_state = {**self.app_state, OVER_CAPACITY: True}
+            self.app_state = {**self.app_state, OVER_CAPACITY: True}  # type: ignore[has-type]
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
-        awaiting_headers = self.conn.their_state is h11.IDLE
-        if awaiting_headers:
+        if self._awaiting_headers():
             self._partial_request = True
             if self._header_timer is None:  # the first bytes of a keep-alive connection's next request
                 self._arm_header_timer()
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:
+        super().data_received(data)  # type: ignore[misc]
+        if not self._awaiting_headers():
             self._disarm_header_timer()
             self._partial_request = False
 
@@ -74,7 +96,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         self._partial_request = False
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
 
     def send_400_response(self, msg: str) -> None:
         """Malformed HTTP: the API's error shape (uvicorn answers in plain text)."""
@@ -86,7 +108,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()
-        self._header_timer = self.loop.call_later(self.limits.header_read_timeout_s, self._on_header_timeout)
+        self._header_timer = self.loop.call_later(  # type: ignore[attr-defined]
+            self.limits.header_read_timeout_s, self._on_header_timeout)
 
     def _disarm_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -95,28 +118,78 @@ class GuardedH11Protocol(H11Protocol):
 
     def _on_header_timeout(self) -> None:
         self._header_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+        transport: asyncio.Transport = self.transport  # type: ignore[attr-defined]
+        if transport.is_closing() or not self._awaiting_headers():
             return
-        if self._partial_request and self.conn.our_state is h11.IDLE:
+        if self._partial_request and not self._responding():
             self._write_error(APIError(
                 408, f"the request headers did not arrive within {self.limits.header_read_timeout_s:g}s "
                      "(server.header_read_timeout_s)", code="request_timeout"))
         else:
-            self.transport.close()
+            transport.close()
 
     def _write_error(self, error: APIError) -> None:
-        """A complete JSON error response written straight to the socket, then close: h11 has no
+        """A complete JSON error response written straight to the socket, then close: there is no
         request to answer (none arrived, or it could not be parsed)."""
+        transport: asyncio.Transport = self.transport  # type: ignore[attr-defined]
         body = json.dumps(error.body()).encode()
         phrase = http.HTTPStatus(error.status).phrase
         head = (f"HTTP/1.1 {error.status} {phrase}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("ascii")
-        if not self.transport.is_closing():
-            self.transport.write(head + body)
-            self.transport.close()
+        if not transport.is_closing():
+            transport.write(head + body)
+            transport.close()
 
 
-def protocol_class(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
-    """A :class:`GuardedH11Protocol` subclass bound to ``limits`` (uvicorn builds the protocol
-    from a class, one instance per connection)."""
-    return type("PlugserveH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+class GuardedH11Protocol(ConnectionGuard, H11Protocol):
+    """uvicorn's h11 protocol with a header deadline, a connection cap and JSON errors."""
+
+    def _awaiting_headers(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+    def _responding(self) -> bool:
+        return self.conn.our_state is not h11.IDLE
+
+
+def guarded_httptools_protocol() -> type[ConnectionGuard]:
+    """uvicorn's httptools protocol with the same limits (imported here: httptools is optional)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GuardedHttpToolsProtocol(ConnectionGuard, HttpToolsProtocol):
+        """The connection waits for headers while no request cycle is open: before the first
+        request, and after each response until the next request's headers are parsed (uvicorn
+        replaces ``cycle`` when they are)."""
+
+        def _awaiting_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _responding(self) -> bool:
+            return self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+
+    return GuardedHttpToolsProtocol
+
+
+def resolve_http_parser(name: str) -> str:
+    """``server.http_parser`` as the parser that will run: ``auto`` is httptools when it imports,
+    else h11. Raises ValueError for an unknown name, ImportError when httptools is asked for and
+    missing."""
+    if name not in HTTP_PARSERS:
+        raise ValueError(f"server.http_parser: {name!r}, must be one of {', '.join(HTTP_PARSERS)}")
+    if name == "h11":
+        return name
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        if name == "httptools":
+            raise ImportError("server.http_parser=httptools but httptools is not installed "
+                              "(pip install httptools, or set server.http_parser to auto or h11)") from None
+        return "h11"
+    return "httptools"
+
+
+def protocol_class(limits: ConnectionLimits, parser: str = "h11") -> type[ConnectionGuard]:
+    """The guarded protocol of ``parser`` (``httptools`` or ``h11``, as :func:`resolve_http_parser`
+    gives it) bound to ``limits`` (uvicorn builds the protocol from a class, one instance per
+    connection)."""
+    base = guarded_httptools_protocol() if parser == "httptools" else GuardedH11Protocol
+    return type(f"Plugserve{base.__name__}", (base,), {"limits": limits})

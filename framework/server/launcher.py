@@ -41,6 +41,9 @@ from framework.config.loader import public_config, to_settings
 from framework.config.schema import PlugserveConfig
 from framework.memory.gc_freeze import freeze_startup_objects
 from framework.server import scheduler_process
+from framework.server.connection import resolve_http_parser
+from framework.server.event_loop import resolve_event_loop
+from framework.server.event_loop import run as run_loop
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -92,12 +95,19 @@ def serve(cfg: DictConfig, prestarted: PrestartedProcess | None = None) -> int:
     if settings.parallel.node_rank > 0:
         return _serve_follower_node(cfg, settings)
     try:
+        loop = resolve_event_loop(settings.server.event_loop)
+        parser = resolve_http_parser(settings.server.http_parser)
+    except (ImportError, ValueError) as exc:
+        logger.error("%s", exc)
+        return EXIT_FAILED
+    try:
         sock = _bind(settings.server.host, settings.server.port)
     except OSError as exc:
         logger.error("cannot listen on %s:%s: %s", settings.server.host, settings.server.port, exc)
         return EXIT_FAILED
+    logger.info("HTTP: %s event loop, %s protocol", loop, parser)
     with sock, tempfile.TemporaryDirectory(prefix="plugserve-") as run_dir:
-        return asyncio.run(_serve(cfg, settings, sock, run_dir, prestarted))
+        return run_loop(_serve(cfg, settings, sock, run_dir, prestarted, parser), loop)
 
 
 def _model_path_problem(path: str) -> str | None:
@@ -122,7 +132,7 @@ def _serve_follower_node(cfg: DictConfig, settings: PlugserveConfig) -> int:
 
 
 async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket, run_dir: str,
-                 prestarted: PrestartedProcess | None) -> int:
+                 prestarted: PrestartedProcess | None, parser: str) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -160,8 +170,10 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
         if info is None:
             return EXIT_OK if stop.is_set() else EXIT_FAILED
         manager.start()
-        app = _make_app(cfg, settings, tokenizer, manager, metrics, info, generation_defaults)
-        server = _http_server(app, settings, manager)
+        http_stack = {"event_loop": "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio",
+                      "http_parser": parser}
+        app = _make_app(cfg, settings, tokenizer, manager, metrics, info, generation_defaults, http_stack)
+        server = _http_server(app, settings, manager, parser)
         freeze_startup_objects("HTTP server")
         watch = loop.create_task(_watch(server, manager, procs, stop, exited))
         host, port = sock.getsockname()[:2]
@@ -212,8 +224,10 @@ def _load_tokenizer(settings: PlugserveConfig) -> tuple[Any, dict[str, Any]] | N
     return tokenizer, load_generation_config(model.path)
 
 
-def _http_server(app: Starlette, settings: PlugserveConfig, manager: TokenizerManager) -> uvicorn.Server:
-    """uvicorn over the guarded app and connection protocol, with plugserve's graceful drain."""
+def _http_server(app: Starlette, settings: PlugserveConfig, manager: TokenizerManager,
+                 parser: str) -> uvicorn.Server:
+    """uvicorn over the guarded app and connection protocol (``parser``: httptools or h11), with
+    plugserve's graceful drain."""
     from framework.server.connection import ConnectionLimits, protocol_class
     from framework.server.graceful import GracefulServer, uvicorn_timeout
     from framework.server.request_guard import (
@@ -234,7 +248,7 @@ def _http_server(app: Starlette, settings: PlugserveConfig, manager: TokenizerMa
     guarded = RequestGuard(app, limits, lifecycle)
     config = uvicorn.Config(
         guarded, log_level=opts.log_level, access_log=opts.log_requests, lifespan="off",
-        http=protocol_class(ConnectionLimits(opts.max_connections, opts.header_read_timeout_s)),
+        http=protocol_class(ConnectionLimits(opts.max_connections, opts.header_read_timeout_s), parser),
         timeout_keep_alive=opts.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn takes float seconds
         timeout_graceful_shutdown=uvicorn_timeout(opts.shutdown_timeout_s),
     )
@@ -243,7 +257,8 @@ def _http_server(app: Starlette, settings: PlugserveConfig, manager: TokenizerMa
 
 
 def _make_app(cfg: DictConfig, settings: PlugserveConfig, tokenizer: Any, manager: TokenizerManager,
-              metrics: ServerMetrics, info: dict[str, Any], generation_defaults: dict[str, Any]) -> Starlette:
+              metrics: ServerMetrics, info: dict[str, Any], generation_defaults: dict[str, Any],
+              http_stack: dict[str, str]) -> Starlette:
     from framework.server.app import build_app
     from framework.server.openai_format import TokenText
     from framework.server.request_builder import RequestBuilder
@@ -255,7 +270,8 @@ def _make_app(cfg: DictConfig, settings: PlugserveConfig, tokenizer: Any, manage
     state = ServerState(cfg=cfg, settings=settings, tokenizer=tokenizer, manager=manager, builder=builder,
                         metrics=metrics, model_info=info, token_text=TokenText(tokenizer),
                         model_name=served_model_name(settings), tool_parser=tool_parser,
-                        reasoning_parser=reasoning_parser, images=_image_frontend(settings, tokenizer))
+                        reasoning_parser=reasoning_parser, images=_image_frontend(settings, tokenizer),
+                        http_stack=http_stack)
     return build_app(state)
 
 

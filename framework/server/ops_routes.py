@@ -111,6 +111,7 @@ async def server_info(request: Request) -> Response:
         "served_model_name": server.model_name,
         "active_requests": server.manager.num_active(),
         "config": server.public_config(),
+        "http_stack": server.http_stack,
         **data,
         "dp_size": len(replies),
         "dp": [_replica_entry(r, d, replicas[r].in_flight) for r, d in enumerate(replies)],

@@ -47,6 +47,9 @@ class ServerState:
     """``server.reasoning_parser`` (a :class:`~framework.parsing.reasoning.ReasoningParser`) or None."""
     images: ImageFrontend | None = None
     """Image inputs: the model's multimodal processor and the image limits (None: no images)."""
+    http_stack: dict[str, str] = field(default_factory=dict)
+    """The event loop and HTTP protocol serving (``server.event_loop`` and ``server.http_parser``
+    as resolved), reported by /server_info."""
 
     def require_images(self, param: str) -> ImageFrontend:
         """The image front end, or a 400 naming ``param`` when the model takes no images."""

@@ -1,7 +1,12 @@
 """Connection limits on a server with short timeouts and a small connection cap: idle,
 slow-header and slow-body connections are closed (408 where a request was started), a connection
-past the cap gets a 503; keys come from the environment and the config file; one client's big
-batch does not hold back a request that comes after it (fair admission)."""
+past the cap gets a 503, malformed HTTP gets a 400 in the API's error shape; keys come from the
+environment and the config file; one client's big batch does not hold back a request that comes
+after it (fair admission).
+
+Every test runs against both HTTP stacks a server can have (``server.http_parser`` and
+``server.event_loop``): httptools on uvloop, the default where they are installed, and h11 on
+asyncio's loop, the fallback."""
 
 from __future__ import annotations
 
@@ -26,9 +31,15 @@ ENV_API_KEY = "key-from-the-environment"
 FILE_ADMIN_KEY = "admin-key-from-the-config-file"
 
 
-@pytest.fixture(scope="module")
-def guarded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("guarded")
+HTTP_STACKS = {"httptools": "uvloop", "h11": "asyncio"}
+"""``server.http_parser`` -> the ``server.event_loop`` it is tested on."""
+
+
+@pytest.fixture(scope="module", params=sorted(HTTP_STACKS))
+def guarded(request: pytest.FixtureRequest, tiny_model: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    parser = request.param
+    tmp = tmp_path_factory.mktemp(f"guarded-{parser}")
     config = tmp / "keys.yaml"
     config.write_text(f"server:\n  admin_key: {FILE_ADMIN_KEY}\n")
     server = start_server(tmp, [
@@ -36,8 +47,11 @@ def guarded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         f"server.header_read_timeout_s={HEADER_TIMEOUT_S}", f"server.body_read_timeout_s={BODY_TIMEOUT_S}",
         f"server.keep_alive_timeout_s={KEEP_ALIVE_S}", f"server.max_connections={MAX_CONNECTIONS}",
         "scheduler.max_running_requests=2", "server.enable_custom_logit_processor=true",
+        f"server.http_parser={parser}", f"server.event_loop={HTTP_STACKS[parser]}",
     ], config_file=config, env={"PLUGSERVE_API_KEY": ENV_API_KEY})
     server.api_key, server.admin_key = ENV_API_KEY, FILE_ADMIN_KEY
+    info = httpx.get(f"{server.url}/server_info", headers={"Authorization": f"Bearer {ENV_API_KEY}"}, timeout=30)
+    assert info.json()["http_stack"] == {"http_parser": parser, "event_loop": HTTP_STACKS[parser]}, info.text
     yield server
     assert_no_leak(server)
     server.stop()
@@ -125,6 +139,21 @@ def test_connection_past_the_cap_gets_503(guarded: Server) -> None:
             sock.close()
     time.sleep(0.5)
     assert httpx.get(f"{guarded.url}/health", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"GET /he\x00alth HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GARBAGE\r\n\r\n",
+], ids=["bad content-length", "bad chunk size", "NUL in path", "no request line"])
+def test_malformed_http_gets_a_json_400_and_close(guarded: Server, request_bytes: bytes) -> None:
+    with _connect(guarded) as sock:
+        sock.sendall(request_bytes)
+        data, _ = _read_all(sock, within=30)
+    status, body = _json_status(data)
+    assert status == 400 and body["error"]["code"] == "invalid_http", data
+    assert b"connection: close" in data.partition(b"\r\n\r\n")[0].lower(), data
 
 
 def test_keys_from_the_environment_and_the_config_file(guarded: Server) -> None:
