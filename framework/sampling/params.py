@@ -11,8 +11,9 @@ not which token is chosen).
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from framework.sampling.constraints import CONSTRAINT_FIELDS, check_constraints, normalize_constraint
@@ -183,8 +184,15 @@ class SamplingParams:
 
     # ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON types only (ints, floats, bools, strings, lists, None): msgpack-safe."""
-        out = asdict(self)
+        """Plain JSON types only (ints, floats, bools, strings, lists, None): msgpack-safe; nothing
+        mutable is shared with this object.
+
+        Field by field rather than :func:`dataclasses.asdict`, which deep-copies every value and
+        took ~0.2 ms per call in the HTTP process (twice per request, on its first token's path);
+        only ``custom_params`` can hold nested containers."""
+        out = {name: getattr(self, name) for name in _FIELD_NAMES}
+        if self.custom_params is not None:
+            out["custom_params"] = copy.deepcopy(self.custom_params)
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
         # JSON object keys are strings; __post_init__ turns them back into token ids.
@@ -194,11 +202,13 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Inverse of :meth:`to_dict`; missing keys take defaults, unknown keys are an error."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data).difference(_FIELD_NAMES))
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; known parameters are {sorted(known)}")
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known parameters are {sorted(_FIELD_NAMES)}")
         return cls(**data)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:

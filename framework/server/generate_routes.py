@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from framework.engine.request_state import RequestState
-from framework.server.group_response import released_on_error, request_errors, stream_events, wait_all
+from framework.server.group_response import request_errors, stream_events, wait_all
 from framework.server.http_utils import finite, parse_model, require_bearer, sse
 from framework.server.image_inputs import generate_image_sources
 from framework.server.openai_format import TokenText
@@ -134,8 +134,7 @@ async def generate(request: Request) -> Response:
                 out["index"] = ev.index
             return [sse(out)]
 
-        return await released_on_error(server.manager, group,
-                                       stream_events(request, server.manager, group, render, lambda: []))
+        return stream_events(server.manager, group, render, lambda: [])
 
     await wait_all(request, server.manager, group)
     request_errors(group)

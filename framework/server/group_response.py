@@ -52,16 +52,11 @@ def request_errors(group: RequestGroup) -> None:
             raise APIError(503, f"the request failed: {state.error}", type="server_error", code="request_failed")
 
 
-async def stream_events(request: Request, manager: TokenizerManager, group: RequestGroup, render: Render,
-                        tail: Tail) -> SSEResponse:
-    """An SSE response of the group's events, ending with ``data: [DONE]``."""
-    try:
-        first = await until_disconnect(request, group.next(), lambda: manager.close_group(group))
-    except BaseException:
-        await manager.close_group(group)
-        raise
+def stream_events(manager: TokenizerManager, group: RequestGroup, render: Render, tail: Tail) -> SSEResponse:
+    """An SSE response of the group's events, ending with ``data: [DONE]``. It waits for the first
+    event itself (:class:`SSEResponse`): a refused request still gets its status code."""
 
-    async def body() -> AsyncIterator[str]:
+    async def body(first: Event) -> AsyncIterator[str]:
         event = first
         try:
             while True:
@@ -78,4 +73,4 @@ async def stream_events(request: Request, manager: TokenizerManager, group: Requ
             yield sse(err.body())
         yield SSE_DONE
 
-    return SSEResponse(body(), on_close=lambda: manager.close_group(group))
+    return SSEResponse(group.next, body, on_close=lambda: manager.close_group(group))

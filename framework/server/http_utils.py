@@ -134,23 +134,39 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class SSEResponse(StreamingResponse):
-    """A text/event-stream response that always runs ``on_close`` when it ends.
+    """A text/event-stream response that starts once its first event is there, and always runs
+    ``on_close`` when it ends.
 
-    The body runs next to a task that listens for the client's disconnect, whatever ASGI spec
-    version the server speaks, so a client that goes away cancels the body at once; ``on_close``
+    The handler returns it right after submitting the request, so the ASGI app's return path
+    (routing, middleware, this object's tasks) runs while the model computes, not between the
+    first token's arrival and its chunk: the response itself waits for ``first_event()``. If that
+    raises :class:`APIError` (the scheduler refused the request) the client gets that error's
+    status code and JSON body instead of a stream: nothing was sent yet. The body runs next to a
+    task that listens for the client's disconnect, whatever ASGI spec version the server speaks,
+    so a client that goes away, before or during the stream, cancels it at once; ``on_close``
     (which aborts unfinished requests and frees their KV) runs on every path out.
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, first_event: Callable[[], Awaitable[Any]], body: Callable[[Any], AsyncIterator[str]],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(_no_body(), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.first_event = first_event
+        self.body = body
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as tg:
 
-                async def body() -> None:
+                async def respond() -> None:
+                    try:
+                        first = await self.first_event()
+                    except APIError as err:  # refused before anything was sent: a real status code
+                        await err.response()(scope, receive, send)
+                        tg.cancel_scope.cancel()
+                        return
+                    self.body_iterator = self.body(first)
                     try:
                         await self.stream_response(send)
                     except OSError:  # the connection broke while sending
@@ -161,11 +177,17 @@ class SSEResponse(StreamingResponse):
                     await self.listen_for_disconnect(receive)
                     tg.cancel_scope.cancel()
 
-                tg.start_soon(body)
+                tg.start_soon(respond)
                 tg.start_soon(watch)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.on_close()
+
+
+async def _no_body() -> AsyncIterator[str]:
+    """The placeholder body of an :class:`SSEResponse` until its first event is there."""
+    return
+    yield  # an async generator that yields nothing
 
 
 async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect: Callable[[], Awaitable[None]]) -> T:

@@ -148,7 +148,7 @@ async def _stream_completion(request: Request, server: ServerState, group: Reque
     def tail() -> list[str]:
         return [sse({**head, "choices": [], "usage": usage(group.states, n)})] if include_usage else []
 
-    return await stream_events(request, server.manager, group, render, tail)
+    return stream_events(server.manager, group, render, tail)
 
 
 def message_dict(index: int, msg: ChatMessage, images: list[ImageSource] | None = None,
@@ -265,7 +265,7 @@ async def _stream_chat(request: Request, server: ServerState, group: RequestGrou
             return []
         return [sse({**head, "choices": [], "usage": usage(group.states, len(group.states))})]
 
-    return await stream_events(request, server.manager, group, render, tail)
+    return stream_events(server.manager, group, render, tail)
 
 
 ROUTES = [

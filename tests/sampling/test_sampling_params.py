@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -105,3 +106,18 @@ def test_dict_round_trip_through_json_and_msgpack(params: SamplingParams) -> Non
     data = params.to_dict()
     assert SamplingParams.from_dict(json.loads(json.dumps(data))) == params
     assert SamplingParams.from_dict(msgspec.msgpack.decode(msgspec.msgpack.encode(data))) == params
+
+
+def test_to_dict_shares_nothing_mutable_with_the_params() -> None:
+    """``to_dict`` copies field by field (not ``dataclasses.asdict``): a later change to the dict,
+    nested values included, must not reach the params it came from."""
+    params = SamplingParams(stop=["x"], stop_token_ids=[3], logit_bias={5: 1.0},
+                            custom_params={"outer": [1, {"inner": 2}]})
+    data = params.to_dict()
+    data["stop"].append("y")
+    data["stop_token_ids"].append(4)
+    data["logit_bias"]["6"] = 2.0
+    data["custom_params"]["outer"][1]["inner"] = 99
+    assert params == SamplingParams(stop=["x"], stop_token_ids=[3], logit_bias={5: 1.0},
+                                    custom_params={"outer": [1, {"inner": 2}]})
+    assert set(data) == {f.name for f in dataclasses.fields(SamplingParams)}

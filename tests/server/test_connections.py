@@ -156,6 +156,25 @@ def test_malformed_http_gets_a_json_400_and_close(guarded: Server, request_bytes
     assert b"connection: close" in data.partition(b"\r\n\r\n")[0].lower(), data
 
 
+def test_a_stream_left_before_its_first_token_is_aborted(guarded: Server) -> None:
+    """The response waits for the first token before it sends headers (a refused request gets its
+    status code): a client that gives up meanwhile must still end the request and free its KV."""
+    body = {"text": "left early", "stream": True, "custom_logit_processor": "slow_steps",
+            "sampling_params": {"max_new_tokens": 100, "ignore_eos": True, "custom_params": {"sleep_s": 1.0}}}
+    with httpx.Client(base_url=guarded.url, headers=guarded.headers(), timeout=httpx.Timeout(30, read=0.3)) as client:
+        with pytest.raises(httpx.ReadTimeout):  # no headers within 0.3 s: the first token takes >= 1
+            with client.stream("POST", "/generate", json=body) as r:
+                r.read()
+    deadline = time.monotonic() + 15  # left running it would take 100 s
+    while True:  # aborted at the first step boundary after the disconnect
+        load = httpx.get(f"{guarded.url}/get_load", headers=guarded.headers(), timeout=30).json()[0]
+        if load["num_running"] == 0 and load["num_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, load
+        time.sleep(0.05)
+    assert_no_leak(guarded)
+
+
 def test_keys_from_the_environment_and_the_config_file(guarded: Server) -> None:
     body = {"text": "x", "sampling_params": {"max_new_tokens": 1}}
     with httpx.Client(base_url=guarded.url, timeout=30) as client:
