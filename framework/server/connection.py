@@ -14,8 +14,8 @@ sends a request, sends its headers a line at a time, or is one of thousands stay
 
 ``server.http_parser`` picks the protocol: httptools (llhttp, in C; what ``uvicorn[standard]``
 runs and vLLM and SGLang serve with) or h11 (pure Python). ``auto`` takes httptools when it is
-installed. On the 2-core test host h11 cost the HTTP process ~15% more CPU per streamed token,
-CPU the model's threads lose (docs/benchmarks.md).
+installed. On the 2-core test host, h11 on asyncio's loop cost the HTTP process 12-29% more CPU
+over one-stream runs than httptools on uvloop, CPU the model's threads lose (docs/benchmarks.md).
 
 The body deadline lives in the request guard, which reads every body.
 """
@@ -33,9 +33,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from framework.server.errors import APIError
 from framework.server.request_guard import OVER_CAPACITY
-
-HTTP_PARSERS = ("auto", "httptools", "h11")
-"""The values of ``server.http_parser``."""
 
 
 @dataclass(frozen=True)
@@ -169,27 +166,9 @@ def guarded_httptools_protocol() -> type[ConnectionGuard]:
     return GuardedHttpToolsProtocol
 
 
-def resolve_http_parser(name: str) -> str:
-    """``server.http_parser`` as the parser that will run: ``auto`` is httptools when it imports,
-    else h11. Raises ValueError for an unknown name, ImportError when httptools is asked for and
-    missing."""
-    if name not in HTTP_PARSERS:
-        raise ValueError(f"server.http_parser: {name!r}, must be one of {', '.join(HTTP_PARSERS)}")
-    if name == "h11":
-        return name
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        if name == "httptools":
-            raise ImportError("server.http_parser=httptools but httptools is not installed "
-                              "(pip install httptools, or set server.http_parser to auto or h11)") from None
-        return "h11"
-    return "httptools"
-
-
 def protocol_class(limits: ConnectionLimits, parser: str = "h11") -> type[ConnectionGuard]:
-    """The guarded protocol of ``parser`` (``httptools`` or ``h11``, as :func:`resolve_http_parser`
-    gives it) bound to ``limits`` (uvicorn builds the protocol from a class, one instance per
-    connection)."""
+    """The guarded protocol of ``parser`` (``httptools`` or ``h11``, as
+    :func:`framework.server.http_stack.resolve_http_parser` gives it) bound to ``limits`` (uvicorn
+    builds the protocol from a class, one instance per connection)."""
     base = guarded_httptools_protocol() if parser == "httptools" else GuardedH11Protocol
     return type(f"Plugserve{base.__name__}", (base,), {"limits": limits})

@@ -41,9 +41,8 @@ from framework.config.loader import public_config, to_settings
 from framework.config.schema import PlugserveConfig
 from framework.memory.gc_freeze import freeze_startup_objects
 from framework.server import scheduler_process
-from framework.server.connection import resolve_http_parser
-from framework.server.event_loop import resolve_event_loop
-from framework.server.event_loop import run as run_loop
+from framework.server.http_stack import resolve_event_loop, resolve_http_parser
+from framework.server.http_stack import run as run_loop
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette

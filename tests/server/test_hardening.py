@@ -1,13 +1,12 @@
 """Hostile input against the main server: out-of-range integers, lone surrogates, deep nesting,
-huge digit strings, ``max_tokens`` 0, too many sequences, malformed HTTP, the body limit on
-every route, Content-Type. Each case is a 4xx in OpenAI's shape, and nothing stays registered:
+huge digit strings, ``max_tokens`` 0, too many sequences, the body limit on every route,
+Content-Type (malformed HTTP: test_connections.py, on both HTTP protocols). Each case is a 4xx in OpenAI's shape, and nothing stays registered:
 the HTTP process tracks no request afterwards and a request id used in a refused request can be
 used again at once."""
 
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
@@ -233,32 +232,7 @@ def test_thousands_of_prompts_in_one_body_are_400_before_tokenizing(e2e: Server,
     _no_request_left(e2e)
 
 
-# -- 9. malformed HTTP, body limit on every route, Content-Type ----------------------------------
-
-
-def _raw(server: Server, request: bytes) -> tuple[int, dict]:
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(request)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
-    assert headers.get("content-type", "").startswith("application/json"), head
-    return status, json.loads(body)
-
-
-@pytest.mark.parametrize("request_bytes", [
-    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
-    b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
-    b"GET /he\x00alth HTTP/1.1\r\nHost: x\r\n\r\n",
-    b"GARBAGE\r\n\r\n",
-], ids=["bad content-length", "bad chunk size", "NUL in path", "no request line"])
-def test_malformed_http_gets_the_api_error_shape(e2e: Server, request_bytes: bytes) -> None:
-    status, body = _raw(e2e, request_bytes)
-    assert status == 400
-    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == "invalid_http"
+# -- 9. body limit on every route, Content-Type ----------------------------------
 
 
 def test_body_limit_applies_to_every_route(e2e: Server) -> None:

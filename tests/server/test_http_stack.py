@@ -16,8 +16,8 @@ import pytest
 
 from framework.config.loader import resolve_config
 from framework.errors import ConfigError
-from framework.server.connection import GuardedH11Protocol, protocol_class, resolve_http_parser
-from framework.server.event_loop import resolve_event_loop, run
+from framework.server.connection import GuardedH11Protocol, protocol_class
+from framework.server.http_stack import resolve_event_loop, resolve_http_parser, run
 
 
 @pytest.mark.parametrize(("key", "allowed"), [("server.event_loop", "auto, uvloop, asyncio"),
