@@ -381,7 +381,7 @@ class ServerConfig:
     event_loop: str = "auto"
     """The HTTP process's asyncio event loop: ``uvloop`` (libuv, what ``uvicorn[standard]`` and
     vLLM's and SGLang's servers run), ``asyncio`` (the standard library's), or ``auto``: uvloop when
-    it is installed. On the 2-core test host the standard loop with h11 cost 0.5-2.9 ms of median
+    it is installed. On the 2-core test host the standard loop with h11 cost 0.4-2.9 ms of median
     TTFT at one stream and 12-29% more of the HTTP process's CPU (docs/benchmarks.md)."""
     http_parser: str = "auto"
     """The HTTP/1.1 protocol: ``httptools`` (llhttp, in C), ``h11`` (pure Python), or ``auto``:

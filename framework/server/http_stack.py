@@ -4,7 +4,7 @@ uvloop and httptools when installed, else asyncio's own loop and h11.
 Every token a stream sends passes the event loop a few times (the scheduler's message, the
 response chunk, the socket write), on a host whose cores the model's threads also want. uvloop
 runs that loop in C (libuv): on the 2-core test host the median served TTFT at one stream dropped
-by 0.5-2.9 ms with it and httptools (docs/benchmarks.md), which is why ``uvicorn[standard]``, vLLM and
+by 0.4-2.9 ms with it and httptools (docs/benchmarks.md), which is why ``uvicorn[standard]``, vLLM and
 SGLang serve on it. Nothing in plugserve needs them: ``asyncio`` and h11 behave the same, slower
 (the connection guards of :mod:`framework.server.connection` sit on either protocol).
 """
