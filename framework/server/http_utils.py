@@ -152,7 +152,8 @@ class SSEResponse(StreamingResponse):
         super().__init__(_no_body(), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.first_event = first_event
-        self.body = body
+        self.body_from = body
+        """The stream's chunks from its first event on (not ``body``: Starlette's bytes attribute)."""
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -166,7 +167,7 @@ class SSEResponse(StreamingResponse):
                         await err.response()(scope, receive, send)
                         tg.cancel_scope.cancel()
                         return
-                    self.body_iterator = self.body(first)
+                    self.body_iterator = self.body_from(first)
                     try:
                         await self.stream_response(send)
                     except OSError:  # the connection broke while sending
