@@ -113,7 +113,7 @@ class SchedulerLoop:
                 self.first_token_waits["timed_out"] += 1
                 return
             try:
-                data = self.recv.recv(zmq.NOBLOCK)
+                data = self.recv.recv(ipc.NOBLOCK)
             except zmq.Again:
                 continue
             msg = self._decode(data)
@@ -128,9 +128,9 @@ class SchedulerLoop:
         if block and not self.recv.poll(PARENT_CHECK_INTERVAL_MS):
             return
         # Asking first: a receive from an empty socket raises, and this runs between every two steps.
-        while not self.stopping and self.recv.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while not self.stopping and self.recv.getsockopt(ipc.EVENTS) & ipc.POLLIN:
             try:
-                data = self.recv.recv(zmq.NOBLOCK)
+                data = self.recv.recv(ipc.NOBLOCK)
             except zmq.Again:
                 return
             self._handle(data)

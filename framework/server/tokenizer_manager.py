@@ -298,9 +298,9 @@ class TokenizerManager:
         while True:
             try:
                 # Asking first spares the exception a receive from an empty socket raises.
-                if not reader.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not reader.getsockopt(ipc.EVENTS) & ipc.POLLIN:
                     return
-                data = reader.recv(zmq.NOBLOCK)
+                data = reader.recv(ipc.NOBLOCK)
             except zmq.ZMQError:  # closed under us at shutdown (or emptied: zmq.Again)
                 return
             try:
