@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config.auto import check_component_capabilities, check_section_combinations, resolve_auto
-from framework.config.schema import PlugserveConfig
+from framework.config.schema import EVENT_LOOPS, HTTP_PARSERS, PlugserveConfig
 from framework.errors import ConfigError, did_you_mean
 
 DEFAULT_PRESET = "serve.yaml"
@@ -167,8 +167,8 @@ def _check_values(cfg: DictConfig) -> None:
         ("server.body_read_timeout_s", cfg.server.body_read_timeout_s > 0, "> 0"),
         ("server.shutdown_timeout_s", cfg.server.shutdown_timeout_s >= 0, ">= 0"),
         ("server.first_token_wait_ms", 0 <= cfg.server.first_token_wait_ms <= 1000, "in [0, 1000]"),
-        ("server.event_loop", cfg.server.event_loop in ("auto", "uvloop", "asyncio"), "one of auto, uvloop, asyncio"),
-        ("server.http_parser", cfg.server.http_parser in ("auto", "httptools", "h11"), "one of auto, httptools, h11"),
+        ("server.event_loop", cfg.server.event_loop in EVENT_LOOPS, f"one of {', '.join(EVENT_LOOPS)}"),
+        ("server.http_parser", cfg.server.http_parser in HTTP_PARSERS, f"one of {', '.join(HTTP_PARSERS)}"),
         ("parallel.dp_size", cfg.parallel.dp_size >= 1, ">= 1"),
         # Every replica would bind the same bootstrap / transfer ports: run several PD servers
         # behind the router instead.

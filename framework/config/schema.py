@@ -309,6 +309,13 @@ class GrammarConfig:
     long for a compile before it looks at new messages again (instead of spinning)."""
 
 
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+"""The values of ``server.event_loop`` (resolved by :mod:`framework.server.http_stack`)."""
+
+HTTP_PARSERS = ("auto", "httptools", "h11")
+"""The values of ``server.http_parser``."""
+
+
 @dataclass
 class ServerConfig:
     """The HTTP server."""
@@ -378,12 +385,12 @@ class ServerConfig:
     long the scheduler process has to exit before it is terminated."""
     max_weight_update_bytes: int = 1 << 30
     """Body limit of ``/update_weights_from_tensor`` (base64 tensors; send big models in chunks)."""
-    event_loop: str = "auto"
+    event_loop: str = "auto"  # one of EVENT_LOOPS
     """The HTTP process's asyncio event loop: ``uvloop`` (libuv, what ``uvicorn[standard]`` and
     vLLM's and SGLang's servers run), ``asyncio`` (the standard library's), or ``auto``: uvloop when
     it is installed. On the 2-core test host the standard loop with h11 cost 0.4-2.9 ms of median
     TTFT at one stream and 12-29% more of the HTTP process's CPU (docs/benchmarks.md)."""
-    http_parser: str = "auto"
+    http_parser: str = "auto"  # one of HTTP_PARSERS
     """The HTTP/1.1 protocol: ``httptools`` (llhttp, in C), ``h11`` (pure Python), or ``auto``:
     httptools when it is installed. Both get the same limits and error shapes
     (:mod:`framework.server.connection`)."""

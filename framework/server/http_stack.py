@@ -15,16 +15,12 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from framework.config.schema import EVENT_LOOPS, HTTP_PARSERS
+
 T = TypeVar("T")
 
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
-"""The values of ``server.event_loop``."""
 
-HTTP_PARSERS = ("auto", "httptools", "h11")
-"""The values of ``server.http_parser``."""
-
-
-def _resolve(key: str, value: str, choices: tuple[str, str, str], fallback: str) -> str:
+def _resolve(key: str, value: str, choices: tuple[str, ...], fallback: str) -> str:
     """``value`` of config ``key`` as what will run: ``auto`` is ``choices[1]`` (an optional
     package of that name) when it imports, else ``fallback``. Raises ValueError for an unknown
     value, ImportError when the package is asked for by name and missing."""

@@ -153,7 +153,9 @@ def test_malformed_http_gets_a_json_400_and_close(guarded: Server, request_bytes
         data, _ = _read_all(sock, within=30)
     status, body = _json_status(data)
     assert status == 400 and body["error"]["code"] == "invalid_http", data
-    assert b"connection: close" in data.partition(b"\r\n\r\n")[0].lower(), data
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    head = data.partition(b"\r\n\r\n")[0].lower()
+    assert b"content-type: application/json" in head and b"connection: close" in head, data
 
 
 def test_a_stream_left_before_its_first_token_is_aborted(guarded: Server) -> None:

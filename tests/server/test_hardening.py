@@ -1,6 +1,7 @@
 """Hostile input against the main server: out-of-range integers, lone surrogates, deep nesting,
 huge digit strings, ``max_tokens`` 0, too many sequences, the body limit on every route,
-Content-Type (malformed HTTP: test_connections.py, on both HTTP protocols). Each case is a 4xx in OpenAI's shape, and nothing stays registered:
+Content-Type (malformed HTTP: test_connections.py, on both HTTP protocols). Each case is a 4xx
+in OpenAI's shape, and nothing stays registered:
 the HTTP process tracks no request afterwards and a request id used in a refused request can be
 used again at once."""
 
