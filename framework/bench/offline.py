@@ -116,6 +116,7 @@ def run_one_batch(engine: Any, batch_size: int, input_len: int, decode_steps: in
     for r in rids:
         engine._states.pop(r)
     median = statistics.median(steps) if steps else float("nan")
+    mean = statistics.fmean(steps) if steps else float("nan")
     return {
         "batch_size": batch_size,
         "input_len": input_len,
@@ -123,6 +124,7 @@ def run_one_batch(engine: Any, batch_size: int, input_len: int, decode_steps: in
         "prefill_throughput": round(batch_size * input_len / prefill, 1),
         "decode_steps": len(steps),
         "decode_step_median_s": round(median, 5),
+        "decode_step_mean_s": round(mean, 5),
         "decode_throughput": round(batch_size / median, 1) if steps else None,
     }
 
