@@ -50,7 +50,7 @@ def add_serve_overhead_command(bench_sub: Any, common: Callable[[argparse.Argume
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--requests", type=int, default=8,
                    help="requests sent one after another per round (and one-batch runs per engine turn)")
-    p.add_argument("--rounds", type=int, default=3, help="served rounds, each between two in-process runs")
+    p.add_argument("--rounds", type=int, default=3, help="served rounds, each between two engine turns")
     p.add_argument("--dtype", default="float32", help="model dtype of both (default float32)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds the server may take to become healthy")
     p.add_argument("--logs", help="directory for the server's log (default: a temporary one)")

@@ -142,7 +142,7 @@ class KVManager:
         ~2 when hot, and the four ops of a torch write (two index tensors, a cast, an index_put)
         took ~90 us of a ~8 ms batch-1 decode step (llama-120m bf16, Sapphire Rapids host). One
         numpy assignment into a view of the same memory does it in one call. The view is taken
-        per call: the memory saver may give the table new storage.
+        per call (one C call), so it can never outlive the tensor's storage.
         """
         if self._numpy_table:
             table = self.req_to_token.numpy()
