@@ -125,6 +125,13 @@ class DeviceConfig:
     (docs/benchmarks.md). The CPU KV cache's buffers are asked onto huge pages too (a decode step
     reads each request's K/V rows wherever its slots are: 0.94-0.95x the decode attention's time on
     a Sapphire Rapids host). Values are unchanged; false: both stay on the heap's pages."""
+    cpu_gemm_warmup: Optional[bool] = None
+    """CPU, oneDNN-packed linears: before serving, run each distinct layer shape once at every row
+    count a step can bucket to (``framework.models.gemm_warmup``), so that oneDNN's JIT-compiled
+    primitives exist before a request needs them (a new bucket's first step took ~25-30 ms longer
+    with bf16 llama-120m on a Sapphire Rapids host; the warm-up took 1.4 s, 1.9 s in fp32). null
+    (auto): on in the processes plugserve runs itself (as ``cpu_keep_freed_memory``), off for an
+    ``Engine`` inside another program; true / false force it."""
     cpu_keep_freed_memory: Optional[bool] = None
     """CPU, glibc: the C heap keeps the blocks a step frees for the next step (``mallopt``: no
     per-block mmap for large blocks, no trimming) instead of unmapping them, which made the kernel

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from framework.models.cpu_linear import (
     small_gemm_extra_bytes,
 )
 from framework.models.fused_decode import enable_fused_decode
+from framework.models.gemm_warmup import GemmWarmup, warm_packed_gemms
 from framework.models.loader import build_model, config_dtype, load_hf_config, resolve_dtype
 from framework.plugins import get_registry
 
@@ -152,6 +153,21 @@ class ModelRunner:
         # freed is not held in the heap for steps that never need that much.
         wanted = self.device.type == "cpu" and (keep is True or (keep is None and process_is_claimed()))
         self.keeps_freed_memory = wanted and keep_freed_blocks()  # keep_freed_blocks: False off glibc
+        self.gemm_warmup: GemmWarmup | None = None
+        """What :meth:`warm_cpu_gemms` did; None until it ran (or where it does not apply)."""
+
+    def warm_cpu_gemms(self, max_rows: int, max_logits_rows: int) -> GemmWarmup | None:
+        """Build oneDNN's primitives for every row bucket of the packed linears now, not at some
+        request's step (``device.cpu_gemm_warmup``, :mod:`framework.models.gemm_warmup`): up to
+        ``max_rows`` rows a step, ``max_logits_rows`` for the LM head. None where it does not apply
+        (not CPU, linears not packed, switched off)."""
+        wanted = self.settings.device.cpu_gemm_warmup
+        if self.device.type != "cpu" or self.linear_impl != "onednn":
+            return None
+        if wanted is False or (wanted is None and not process_is_claimed()):
+            return None
+        self.gemm_warmup = warm_packed_gemms(self.model, max_rows, max_logits_rows)
+        return self.gemm_warmup
 
     def _pack_cpu_linears(self, choice: str) -> str:
         """Swap linear layers for oneDNN-packed ones on CPU when chosen; return what runs."""
@@ -310,6 +326,7 @@ class ModelRunner:
             "cpu_prefill_gemm": self.prefill_gemm,
             "cpu_fused_decode": self.fused_decode,
             "cpu_keep_freed_memory": self.keeps_freed_memory,
+            "cpu_gemm_warmup": None if self.gemm_warmup is None else asdict(self.gemm_warmup),
             "cpu_huge_pages": self.small_gemm and self.settings.device.cpu_huge_pages and huge_pages_available(),
             "memory_saver": self.memory_saver.name,
             "tp_size": self.tp.size,

@@ -42,6 +42,10 @@ class ParallelLinear(nn.Linear):
     output) is the collective that completes the layer; :meth:`load_shard` fills the shard."""
 
     output_op: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gemm_call: str = "plain"
+    """How the model calls this layer, for the CPU GEMM warm-up (:mod:`framework.models.gemm_warmup`):
+    ``plain`` (``layer(x)``), ``add`` (through ``linear_add``, its output plus the residual) or
+    ``logits`` (an LM head, through ``float_linear``). A wrong value costs only a cold first call."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         self.tp: TensorParallel = get_tensor_parallel()
@@ -122,6 +126,8 @@ class RowParallelLinear(ParallelLinear):
     """Input features split over the ranks; an all-reduce sums the partial outputs. Only rank 0
     holds the real bias (the others hold zeros), so the sum adds it once."""
 
+    gemm_call = "add"  # the block's output projection: the residual rides on its GEMM (linear_add)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         tp = get_tensor_parallel()
         self.full_in = in_features
@@ -188,6 +194,8 @@ class VocabParallelEmbedding(nn.Embedding):
 class ParallelLMHead(ParallelLinear):
     """The output projection with vocabulary rows split like :class:`VocabParallelEmbedding` (so a
     tied head shares its weight); the logits of all ranks are gathered and the padding cut."""
+
+    gemm_call = "logits"
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         tp = get_tensor_parallel()

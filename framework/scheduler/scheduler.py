@@ -88,6 +88,12 @@ class Scheduler:
         if self.cfg.max_prefill_tokens is None:  # CPU auto: by the served dtype (framework.config.auto)
             self.cfg.max_prefill_tokens = cpu_max_prefill_tokens(getattr(self.runner, "dtype", None), amx_available())
         self.planner = PrefillPlanner(self.cfg, self.kv, self.policy, self.max_running)
+        # After the budgets are final: a step has at most this many rows (a prefill, a mixed step,
+        # or a decode step one row per running request) and samples at most one row per request.
+        warm = getattr(self.runner, "warm_cpu_gemms", None)  # test doubles of the runner lack it
+        if warm is not None:
+            warm(max(self.cfg.max_prefill_tokens, self.cfg.mixed_chunk_max_tokens or 0, self.max_running + 1),
+                 self.max_running)
         self.sampler = Sampler()
         self.grammar = GrammarQueue(settings, tokenizer, self.runner.vocab_size)
         self.waiting: list[Req] = []

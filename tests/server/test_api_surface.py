@@ -131,6 +131,15 @@ def test_the_scheduler_process_keeps_freed_blocks(http: httpx.Client) -> None:
     assert http.get("/server_info").json()["model_info"]["cpu_keep_freed_memory"] is True
 
 
+def test_the_scheduler_process_warmed_its_gemms(http: httpx.Client) -> None:
+    """``device.cpu_gemm_warmup``'s auto is on in a scheduler process plugserve runs: it called each
+    distinct packed layer (the tiny Llama's four block projections and its LM head) at every row
+    bucket before the server said it was ready (tests/engine/test_gemm_warmup.py checks what that
+    leaves for oneDNN to build)."""
+    warm = http.get("/server_info").json()["model_info"]["cpu_gemm_warmup"]
+    assert warm is not None and warm["layers"] == 5 and warm["calls"] > 5 * 32
+
+
 def test_both_server_processes_froze_their_startup_objects(http: httpx.Client) -> None:
     """The HTTP process and the scheduler moved what they loaded at startup (torch, transformers,
     the model: hundreds of thousands of objects) out of the garbage collector's full collections
