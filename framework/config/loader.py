@@ -166,6 +166,7 @@ def _check_values(cfg: DictConfig) -> None:
         ("server.header_read_timeout_s", cfg.server.header_read_timeout_s > 0, "> 0"),
         ("server.body_read_timeout_s", cfg.server.body_read_timeout_s > 0, "> 0"),
         ("server.shutdown_timeout_s", cfg.server.shutdown_timeout_s >= 0, ">= 0"),
+        ("device.cpu_gemm_warmup_max_s", cfg.device.cpu_gemm_warmup_max_s > 0, "> 0"),
         ("server.first_token_wait_ms", 0 <= cfg.server.first_token_wait_ms <= 1000, "in [0, 1000]"),
         ("server.event_loop", cfg.server.event_loop in EVENT_LOOPS, f"one of {', '.join(EVENT_LOOPS)}"),
         ("server.http_parser", cfg.server.http_parser in HTTP_PARSERS, f"one of {', '.join(HTTP_PARSERS)}"),

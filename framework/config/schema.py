@@ -132,6 +132,9 @@ class DeviceConfig:
     with bf16 llama-120m on a Sapphire Rapids host; the warm-up took 1.4 s, 1.9 s in fp32). null
     (auto): on in the processes plugserve runs itself (as ``cpu_keep_freed_memory``), off for an
     ``Engine`` inside another program; true / false force it."""
+    cpu_gemm_warmup_max_s: float = 10.0
+    """The warm-up starts no new row count after this many seconds (smaller counts come first): a
+    large model's GEMMs take seconds each, where a first call's few milliseconds matter little."""
     cpu_keep_freed_memory: Optional[bool] = None
     """CPU, glibc: the C heap keeps the blocks a step frees for the next step (``mallopt``: no
     per-block mmap for large blocks, no trimming) instead of unmapping them, which made the kernel

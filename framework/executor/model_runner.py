@@ -166,7 +166,8 @@ class ModelRunner:
             return None
         if wanted is False or (wanted is None and not process_is_claimed()):
             return None
-        self.gemm_warmup = warm_packed_gemms(self.model, max_rows, max_logits_rows)
+        self.gemm_warmup = warm_packed_gemms(self.model, max_rows, max_logits_rows,
+                                             self.settings.device.cpu_gemm_warmup_max_s)
         return self.gemm_warmup
 
     def _pack_cpu_linears(self, choice: str) -> str:

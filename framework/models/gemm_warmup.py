@@ -20,6 +20,7 @@ same kind, shape, dtype and paths share primitives, so one of each is called.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from framework.models.cpu_linear import PackedLinear, PackedSwiGLU
+from framework.kernels import small_gemm
+from framework.models.cpu_linear import BLAS_MIN_ROWS, PackedLinear, PackedSwiGLU
 from framework.models.onednn_rows import bucket_rows
 
 logger = logging.getLogger(__name__)
@@ -39,12 +41,13 @@ GEMM_CALLS = ("plain", "add", "logits")
 
 @dataclass(frozen=True)
 class GemmWarmup:
-    """What :func:`warm_packed_gemms` did: distinct layers called, calls made, the largest row
-    count, and the seconds it took."""
+    """What :func:`warm_packed_gemms` did: distinct layers, calls made, the largest row count it
+    warmed, whether it got through every bucket within its time budget, and the seconds it took."""
 
     layers: int
     calls: int
     max_rows: int
+    complete: bool
     seconds: float
 
 
@@ -110,22 +113,49 @@ def _call(module: nn.Module, call: str, rows: int) -> None:
         module(x)
 
 
+def reaches_onednn(module: nn.Module, rows: int) -> bool:
+    """Whether a call of ``rows`` rows runs oneDNN's packed GEMM, by the same dispatch as the
+    layer's ``forward``: the small-GEMM kernel takes calls of up to ``small_gemm.max_rows`` rows, the
+    panel GEMM every call past them, ``F.linear`` those of ``BLAS_MIN_ROWS`` rows and more on a
+    dense copy; no primitive is built for those, so they are not warmed (on a large model they would
+    be seconds of compute for nothing)."""
+    swiglu = isinstance(module, PackedSwiGLU)
+    dtype = module.gate.dtype if swiglu else module.packed_weight.dtype
+    small = module.small_weight is not None
+    if small and rows <= small_gemm.max_rows(dtype):
+        return False
+    if module.panel:
+        return False
+    dense = module.blas_gate if swiglu else module.blas_weight
+    return dense is None or rows < BLAS_MIN_ROWS
+
+
 @torch.inference_mode()
-def warm_packed_gemms(model: nn.Module, max_rows: int, max_logits_rows: int) -> GemmWarmup:
-    """Call each distinct packed layer of ``model`` once at every row bucket it can meet: up to
-    ``max_rows`` (a step's most tokens), and up to ``max_logits_rows`` for LM heads (a step's most
-    sampling rows). Results are discarded; nothing in the model changes."""
+def warm_packed_gemms(model: nn.Module, max_rows: int, max_logits_rows: int,
+                      max_seconds: float = math.inf) -> GemmWarmup:
+    """Call each distinct packed layer of ``model`` once at every row bucket where it runs oneDNN:
+    up to ``max_rows`` (a step's most tokens), and up to ``max_logits_rows`` for LM heads (a step's
+    most sampling rows). Smaller buckets first (the commoner steps), and no bucket is started
+    after ``max_seconds``: a large model's GEMMs are seconds each, and there a first call's few
+    milliseconds of compiling matter little. Results are discarded; nothing in the model changes."""
     start = time.perf_counter()
     layers = distinct_layers(model)
-    calls = 0
-    for module, call in layers:
-        limit = max_logits_rows if call == "logits" else max_rows
-        with _local_only(module):
-            for rows in row_buckets(max(limit, 1)):
-                _call(module, call, rows)
+    calls = reached = 0
+    complete = True
+    steps, heads = set(row_buckets(max_rows)), set(row_buckets(max_logits_rows))
+    for rows in row_buckets(max(max_rows, max_logits_rows, 1)):
+        if time.perf_counter() - start > max_seconds:
+            complete = False
+            break
+        for module, call in layers:
+            if rows in (heads if call == "logits" else steps) and reaches_onednn(module, rows):
+                with _local_only(module):
+                    _call(module, call, rows)
                 calls += 1
-    done = GemmWarmup(layers=len(layers), calls=calls, max_rows=max_rows, seconds=time.perf_counter() - start)
-    if layers:
-        logger.info("warmed oneDNN GEMMs: %d layer kinds, %d calls up to %d rows, %.2fs",
-                    done.layers, done.calls, max_rows, done.seconds)
+        reached = rows
+    done = GemmWarmup(layers=len(layers), calls=calls, max_rows=reached, complete=complete,
+                      seconds=time.perf_counter() - start)
+    if calls:
+        logger.info("warmed oneDNN GEMMs: %d layer kinds, %d calls up to %d rows%s, %.2fs", done.layers, done.calls,
+                    reached, "" if complete else f" (of {max_rows}: time budget spent)", done.seconds)
     return done

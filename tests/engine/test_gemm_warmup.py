@@ -7,6 +7,7 @@ it reuses), so a step that meets an unwarmed row count shows up without timing a
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -16,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
+from framework.kernels import small_gemm
 from framework.models.cpu_linear import PackedLinear, onednn_linear_available, packable_dtypes
-from framework.models.gemm_warmup import GemmWarmup, distinct_layers, row_buckets, warm_packed_gemms
+from framework.models.gemm_warmup import GemmWarmup, distinct_layers, reaches_onednn, row_buckets, warm_packed_gemms
 from framework.models.onednn_rows import bucket_rows
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
@@ -70,7 +72,8 @@ def test_a_warmed_engine_builds_no_primitive_at_a_new_row_count(tiny_model: Path
     assert cold_built, "the unwarmed engine built no primitive: the prompts no longer reach a new row count"
 
     warm, warm_built = _primitives_built(tiny_model, dtype, warm=True)
-    assert warm["warmup"]["layers"] == 5 and warm["warmup"]["max_rows"] >= sum(map(len, PROMPTS))
+    assert warm["warmup"]["layers"] == 5 and warm["warmup"]["complete"]
+    assert warm["warmup"]["max_rows"] >= sum(map(len, PROMPTS))
     assert warm_built == [], f"{len(warm_built)} primitive(s) built after the warm-up, e.g. {warm_built[0][:300]}"
     assert warm["outputs"] == cold["outputs"]  # the warm-up changes no result
 
@@ -114,3 +117,31 @@ def test_the_warm_up_runs_no_collective() -> None:
     x = torch.randn(3, 16)
     packed.forward_add(x, torch.zeros(3, 8))
     assert calls == [3]
+
+
+def test_only_the_row_counts_that_reach_onednn_are_warmed(capfd: pytest.CaptureFixture[str]) -> None:
+    """``reaches_onednn`` agrees with the layer's own dispatch: a first call at a bucket builds a
+    primitive exactly when it says oneDNN runs it (the small-GEMM kernel takes the small ones). The
+    shape is this test's own, so no other test has built its primitives in this process."""
+    if not small_gemm.kernel_available():
+        pytest.skip("the small-GEMM kernel does not build here, so every row count reaches oneDNN")
+    libc = ctypes.CDLL(None)
+    packed = PackedLinear(nn.Linear(40, 72), small_gemm=True)
+    limit = small_gemm.max_rows(torch.float32)
+    for rows in sorted({1, 2, limit, bucket_rows(limit + 1), 300}):
+        libc.fflush(None)
+        capfd.readouterr()
+        with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+            packed(torch.randn(rows, 40))
+        libc.fflush(None)
+        built = "create:cache_miss" in capfd.readouterr().out
+        assert built == reaches_onednn(packed, rows), f"{rows} rows: built {built}"
+    assert not reaches_onednn(packed, 1) and reaches_onednn(packed, 300)
+
+
+def test_the_warm_up_stops_at_its_time_budget() -> None:
+    packed = PackedLinear(nn.Linear(16, 8))
+    spent = warm_packed_gemms(packed, max_rows=500, max_logits_rows=4, max_seconds=1e-9)
+    assert not spent.complete and spent.calls == 0 and spent.max_rows == 0
+    whole = warm_packed_gemms(packed, max_rows=500, max_logits_rows=4)
+    assert whole.complete and whole.max_rows == bucket_rows(500) and whole.calls == len(row_buckets(500))

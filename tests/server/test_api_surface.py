@@ -137,7 +137,7 @@ def test_the_scheduler_process_warmed_its_gemms(http: httpx.Client) -> None:
     bucket before the server said it was ready (tests/engine/test_gemm_warmup.py checks what that
     leaves for oneDNN to build)."""
     warm = http.get("/server_info").json()["model_info"]["cpu_gemm_warmup"]
-    assert warm is not None and warm["layers"] == 5 and warm["calls"] > 5 * 32
+    assert warm is not None and warm["layers"] == 5 and warm["complete"] and warm["calls"] >= 4 * 8
 
 
 def test_both_server_processes_froze_their_startup_objects(http: httpx.Client) -> None:
