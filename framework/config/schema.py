@@ -129,7 +129,7 @@ class DeviceConfig:
     """CPU, oneDNN-packed linears: before serving, run each distinct layer shape once at every row
     count a step can bucket to (``framework.models.gemm_warmup``), so that oneDNN's JIT-compiled
     primitives exist before a request needs them (a new bucket's first step took ~25-30 ms longer
-    with bf16 llama-120m on a Sapphire Rapids host; the warm-up took 1.4 s, 1.9 s in fp32). null
+    with bf16 llama-120m on a Sapphire Rapids host; the warm-up took 1.4 s, 1.9-2.6 s in fp32). null
     (auto): on in the processes plugserve runs itself (as ``cpu_keep_freed_memory``), off for an
     ``Engine`` inside another program; true / false force it."""
     cpu_gemm_warmup_max_s: float = 10.0

@@ -24,7 +24,7 @@ from framework.executor.weights import ModelWeights
 from framework.kernels.huge_pages import huge_pages_available
 from framework.kernels.panel_gemm import kernel_available as panel_gemm_available
 from framework.kernels.small_gemm import kernel_available as small_gemm_available
-from framework.memory.heap import keep_freed_blocks, process_is_claimed
+from framework.memory.heap import keep_freed_blocks, process_is_claimed, trim_heap
 from framework.memory.kv_allocator import PagedKVAllocator
 from framework.memory.kv_cache import KVCache
 from framework.memory.memory_saver import MEMORY_TAGS, MemorySaver, available_memory_bytes
@@ -168,6 +168,10 @@ class ModelRunner:
             return None
         self.gemm_warmup = warm_packed_gemms(self.model, max_rows, max_logits_rows,
                                              self.settings.device.cpu_gemm_warmup_max_s)
+        # Its freed outputs would stay in the C heap (~300 MB for llama-120m: glibc's mmap
+        # threshold rises as big blocks are freed), where no step may need them; the primitives
+        # themselves are ~1 MB each. A large step grows the heap again as it would have anyway.
+        trim_heap()
         return self.gemm_warmup
 
     def _pack_cpu_linears(self, choice: str) -> str:
