@@ -24,7 +24,7 @@ from framework.executor.weights import ModelWeights
 from framework.kernels.huge_pages import huge_pages_available
 from framework.kernels.panel_gemm import kernel_available as panel_gemm_available
 from framework.kernels.small_gemm import kernel_available as small_gemm_available
-from framework.memory.heap import keep_freed_blocks, process_is_claimed, trim_heap
+from framework.memory.heap import keep_freed_blocks, on_for_own_process, trim_heap
 from framework.memory.kv_allocator import PagedKVAllocator
 from framework.memory.kv_cache import KVCache
 from framework.memory.memory_saver import MEMORY_TAGS, MemorySaver, available_memory_bytes
@@ -148,10 +148,9 @@ class ModelRunner:
         # Last: capture needs the model, the KV cache, the request table and the backend. None on CPU.
         with self.memory_saver.region("cuda_graph"):
             self.cuda_graph_runner: CudaGraphRunner | None = maybe_create_cuda_graph_runner(self, settings.cuda_graph)
-        keep = settings.device.cpu_keep_freed_memory
         # After loading: the weights and the KV cache keep their own mappings, and what loading
         # freed is not held in the heap for steps that never need that much.
-        wanted = self.device.type == "cpu" and (keep is True or (keep is None and process_is_claimed()))
+        wanted = self.device.type == "cpu" and on_for_own_process(settings.device.cpu_keep_freed_memory)
         self.keeps_freed_memory = wanted and keep_freed_blocks()  # keep_freed_blocks: False off glibc
         self.gemm_warmup: GemmWarmup | None = None
         """What :meth:`warm_cpu_gemms` did; None until it ran (or where it does not apply)."""
@@ -161,10 +160,9 @@ class ModelRunner:
         request's step (``device.cpu_gemm_warmup``, :mod:`framework.models.gemm_warmup`): up to
         ``max_rows`` rows a step, ``max_logits_rows`` for the LM head. None where it does not apply
         (not CPU, linears not packed, switched off)."""
-        wanted = self.settings.device.cpu_gemm_warmup
         if self.device.type != "cpu" or self.linear_impl != "onednn":
             return None
-        if wanted is False or (wanted is None and not process_is_claimed()):
+        if not on_for_own_process(self.settings.device.cpu_gemm_warmup):
             return None
         self.gemm_warmup = warm_packed_gemms(self.model, max_rows, max_logits_rows,
                                              self.settings.device.cpu_gemm_warmup_max_s)

@@ -49,9 +49,11 @@ def claim_process() -> None:
     _owned = True
 
 
-def process_is_claimed() -> bool:
-    """Whether :func:`claim_process` ran in this process."""
-    return _owned
+def on_for_own_process(setting: bool | None) -> bool:
+    """A process-wide setting whose null (auto) means "on in the processes plugserve runs itself,
+    off for an ``Engine`` inside another program" (``device.cpu_keep_freed_memory``,
+    ``device.cpu_gemm_warmup``); true / false force it."""
+    return setting is True or (setting is None and _owned)
 
 
 def keep_freed_blocks() -> bool:

@@ -123,6 +123,7 @@ class PackedLinear(nn.Module):
         object.__setattr__(self, "source", _without_weight(linear) if not keep_dense_weight else linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # gemm_warmup.reaches_onednn predicts this dispatch by row count: keep the two in step.
         y = None if self.small_weight is None else small_linear(x, self.small_weight, self.bias)
         if y is None and self.panel:
             y = panel_linear(x, self.small_weight, self.bias)
@@ -199,6 +200,7 @@ class PackedSwiGLU(nn.Module):
         object.__setattr__(self, "source", _without_weight(gate_up))  # see PackedLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # gemm_warmup.reaches_onednn predicts this dispatch by row count: keep the two in step.
         if self.small_swiglu:
             # A few rows: the GEMM, SiLU and product in one C call (as torch ops they were ~20 us a
             # layer at batch 1, with the strided halves of the merged output).
