@@ -1,11 +1,12 @@
 """Data parallelism in the HTTP process: one socket pair per engine replica, and the load balancer.
 
 With ``parallel.dp_size`` = N the launcher spawns N scheduler processes (replicas, ``dp_rank``
-0..N-1), each a full engine with its own KV cache. Each replica gets its OWN pair of ``ipc://``
-paths (a PUSH to it, a PULL from it) rather than one shared PULL for all outputs: the socket a
-message arrived on says which replica sent it, so per-replica load reports and control replies
-need no rank field in the scheduler's messages, and the scheduler process stays exactly what it
-is with dp 1 (the tensor-parallel code changes that process; data parallelism stays out of it).
+0..N-1), each a full engine with its own KV cache. Each replica gets its OWN channel
+(``framework.server.channel``: a Unix socket at its own path) rather than one shared receiver
+for all outputs: the channel a message arrived on says which replica sent it, so per-replica
+load reports and control replies need no rank field in the scheduler's messages, and the
+scheduler process stays exactly what it is with dp 1 (the tensor-parallel code changes that
+process; data parallelism stays out of it).
 
 The balancer assigns each HTTP request (all its scheduler requests: a batch, ``n`` choices) to
 one replica, so a group is admitted or refused as a whole by one scheduler and an ``n`` > 1
@@ -18,8 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-import zmq.asyncio
+from framework.server.channel import AsyncChannel, listen
 
 BALANCE_METHODS = ("round_robin", "shortest_queue")
 
@@ -30,12 +30,11 @@ SUMMED_LOAD_KEYS = ("num_running", "num_waiting", "num_waiting_tokens", "kv_used
 
 @dataclass
 class Replica:
-    """One engine replica as the HTTP process sees it: its sockets, what it reported, and how
+    """One engine replica as the HTTP process sees it: its channel, what it reported, and how
     many scheduler requests it was sent that have not finished (the balancer's queue length)."""
 
     dp_rank: int
-    push: zmq.asyncio.Socket
-    pull: zmq.asyncio.Socket
+    channel: AsyncChannel
     info: dict[str, Any] = field(default_factory=dict)
     """Its Ready info (model, context length, scheduler pid)."""
     last_load: dict[str, Any] = field(default_factory=dict)
@@ -45,17 +44,17 @@ class Replica:
     """HTTP requests the balancer has sent it since the start (a counter for tests and logs)."""
 
 
-def bind_replicas(ctx: zmq.asyncio.Context, endpoints: Sequence[tuple[str, str]]) -> list[Replica]:
-    """Bind one (to-scheduler PUSH, from-scheduler PULL) pair per ``(to, from)`` endpoint."""
-    replicas = []
-    for rank, (to_addr, from_addr) in enumerate(endpoints):
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.bind(to_addr)
-        pull = ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        pull.bind(from_addr)
-        replicas.append(Replica(rank, push, pull))
+def listen_replicas(paths: Sequence[str]) -> list[Replica]:
+    """One replica per channel path, each listening (bound before its scheduler is spawned: it
+    connects to the path); the replicas take their connections in ``TokenizerManager.wait_ready``."""
+    replicas: list[Replica] = []
+    try:
+        for rank, path in enumerate(paths):
+            replicas.append(Replica(rank, AsyncChannel(listen(path))))
+    except BaseException:
+        for replica in replicas:
+            replica.channel.close()
+        raise
     return replicas
 
 

@@ -1,7 +1,7 @@
 """Messages between the HTTP process and the scheduler process, and their msgpack codec.
 
-Both directions use one PUSH/PULL pair of pyzmq sockets each, bound by the HTTP process on
-``ipc://`` paths inside a private run directory and connected by the scheduler process. Every
+Both directions share one channel per scheduler process (``framework.server.channel``: a Unix
+socket inside a private run directory, length-prefixed messages). Every
 message is a tagged msgspec struct encoded as msgpack: compact, fast, and safe to decode (no
 pickle), so a message can never run code in the receiving process.
 """
@@ -11,15 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import zmq
 
 from framework.scheduler.outputs import RequestOutput
-
-# pyzmq's flags as plain ints, for the receive loops that run per step and per message: with
-# pyzmq's enums, ``getsockopt(zmq.EVENTS) & zmq.POLLIN`` builds a ``PollEvent`` flag through
-# Python's enum machinery each time, which py-spy put at ~8% of the HTTP process's busy samples
-# in a one-stream run (it runs on caches the model's forward has just emptied).
-EVENTS, POLLIN, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 # -- HTTP process -> scheduler process ----------------------------------------------------------
 

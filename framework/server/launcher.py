@@ -4,12 +4,13 @@ Process layout::
 
     HTTP process (this one)                     scheduler process (spawned)
       uvicorn + Starlette, asyncio                ModelRunner + Scheduler
-      TokenizerManager  --PUSH ipc://.../in-->    PULL: GenerateBatch / Abort / Control / Shutdown
-                        <--PULL ipc://.../out--   PUSH: Ready / Outputs / Rejected / ControlReply
+      TokenizerManager  --> GenerateBatch / Abort / Control / Shutdown / Delivered -->  SchedulerLoop
+                        <-- Ready / Outputs / Rejected / ControlReply <--
+                        (one Unix socket, .../scheduler_<rank>: framework.server.channel)
 
 With ``parallel.dp_size`` = N there are N scheduler processes (``dp_rank`` 0..N-1), each with
-its own pair of paths (``to_scheduler_<rank>``, ``from_scheduler_<rank>``); the TokenizerManager
-load-balances requests over them (``framework.server.data_parallel``).
+its own channel path; the TokenizerManager load-balances requests over them
+(``framework.server.data_parallel``).
 
 Shutdown: SIGINT/SIGTERM make uvicorn stop accepting and let open requests finish (up to
 ``server.shutdown_timeout_s``), then every scheduler gets Shutdown, then SIGTERM, then SIGKILL. If
@@ -41,6 +42,7 @@ from framework.config.loader import public_config, to_settings
 from framework.config.schema import PlugserveConfig
 from framework.memory.gc_freeze import freeze_startup_objects
 from framework.server import scheduler_process
+from framework.server.data_parallel import Replica, listen_replicas
 from framework.server.http_stack import resolve_event_loop, resolve_http_parser
 from framework.server.http_stack import run as run_loop
 
@@ -137,17 +139,20 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     dp_size = settings.parallel.dp_size
-    endpoints = [(f"ipc://{run_dir}/to_scheduler_{r}", f"ipc://{run_dir}/from_scheduler_{r}") for r in range(dp_size)]
+    channel_paths = [f"{run_dir}/scheduler_{r}" for r in range(dp_size)]
     config_path = _write_child_config(cfg, run_dir)
     procs: list[BaseProcess] = []
     exited = asyncio.Event()
     manager: TokenizerManager | None = None
+    replicas: list[Replica] = []
     try:
         # The schedulers start first: their imports and model load (seconds) then overlap this
-        # process's own imports and tokenizer load on the other core. They connect to sockets the
-        # manager binds below; ZMQ queues their first messages until it does.
-        for rank, (to_addr, from_addr) in enumerate(endpoints):
-            args = (config_path, to_addr, from_addr, os.getpid(), settings.server.log_level, rank)
+        # process's own imports and tokenizer load on the other core. Each connects to its
+        # channel's path, listening from here on; the kernel holds the connection (and the
+        # scheduler's first messages) until the manager accepts it.
+        replicas = listen_replicas(channel_paths)
+        for rank, path in enumerate(channel_paths):
+            args = (config_path, path, os.getpid(), settings.server.log_level, rank)
             procs.append(_start_scheduler(args, f"plugserve-scheduler-dp{rank}" if dp_size > 1 else
                                           "plugserve-scheduler", prestarted if rank == 0 else None))
             loop.add_reader(procs[-1].sentinel, exited.set)
@@ -160,7 +165,7 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
         from framework.server.tokenizer_manager import SchedulerStartError, TokenizerManager
 
         metrics = ServerMetrics(served_model_name(settings), settings.server.sglang_metric_names)
-        manager = TokenizerManager(tokenizer, metrics, endpoints, settings.parallel.load_balance_method.value)
+        manager = TokenizerManager(tokenizer, metrics, replicas, settings.parallel.load_balance_method.value)
         try:
             info = await _wait_ready(manager, procs, stop, exited, settings.server.scheduler_start_timeout_s)
         except SchedulerStartError as exc:
@@ -188,6 +193,8 @@ async def _serve(cfg: DictConfig, settings: PlugserveConfig, sock: socket.socket
         await _stop_schedulers(manager, procs, settings.server.shutdown_timeout_s)
         if manager is not None:
             await manager.close()
+        for replica in replicas:  # no manager (a failed start): the listeners are still open
+            replica.channel.close()
 
 
 def _start_scheduler(args: tuple[Any, ...], name: str, prestarted: PrestartedProcess | None) -> BaseProcess:

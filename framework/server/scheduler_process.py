@@ -23,9 +23,8 @@ import time
 import traceback
 from typing import Any
 
-import zmq
-
 from framework.server import ipc
+from framework.server.channel import ChannelClosed, SocketChannel
 
 logger = logging.getLogger("plugserve.scheduler_process")
 
@@ -40,10 +39,11 @@ scheduler never outlives a parent that was killed with SIGKILL."""
 
 
 class SchedulerLoop:
-    """Owns the scheduler and the two sockets; :meth:`run` returns when told to stop."""
+    """Owns the scheduler and its channel to the HTTP process; :meth:`run` returns when told to
+    stop or when the HTTP process is gone."""
 
-    def __init__(self, scheduler: Any, runner: Any, eos_token_ids: list[int], recv: zmq.Socket,
-                 send: zmq.Socket, parent_pid: int, dp_rank: int = 0, first_token_wait_s: float = 0.0) -> None:
+    def __init__(self, scheduler: Any, runner: Any, eos_token_ids: list[int], channel: SocketChannel,
+                 parent_pid: int, dp_rank: int = 0, first_token_wait_s: float = 0.0) -> None:
         self.scheduler = scheduler
         self.first_token_wait_s = first_token_wait_s
         """``server.first_token_wait_ms``: the longest wait for a :class:`~framework.server.ipc.Delivered`."""
@@ -56,8 +56,7 @@ class SchedulerLoop:
         """This replica's data-parallel rank (reported in every load, for /get_load)."""
         self.runner = runner
         self.eos_token_ids = eos_token_ids
-        self.recv = recv
-        self.send = send
+        self.channel = channel
         self.parent_pid = parent_pid
         self.stopping = False
         self._deferred: list[ipc.Control] = []
@@ -66,6 +65,12 @@ class SchedulerLoop:
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            self._run()
+        except ChannelClosed as exc:
+            logger.warning("the HTTP process is gone (%s); the scheduler exits", exc)
+
+    def _run(self) -> None:
         while not self.stopping:
             self._receive(block=not self.scheduler.has_work())
             if self.stopping:
@@ -85,8 +90,8 @@ class SchedulerLoop:
         until the HTTP process has written it.
 
         Why: on a machine with as many compute threads as cores, the next step's threads take
-        every core the moment it starts, and the token still has to pass the ZMQ threads and the
-        HTTP process's event loop, each waiting for a core. On 2 cores a trace once measured 5-6 ms
+        every core the moment it starts, and the token still has to reach the HTTP process's
+        event loop, which waits for a core. On 2 cores a trace once measured 5-6 ms
         for that hop; another day its median was ~0 either way and the wait cut its 90th
         percentile from 4-6 ms to 1-3.6 (docs/benchmarks.md). While the scheduler waits here its
         main thread sleeps and the HTTP process runs at once.
@@ -99,7 +104,7 @@ class SchedulerLoop:
         now = time.monotonic()
         if not more or now - self._load_sent_at >= LOAD_REPORT_INTERVAL_S:
             load, self._load_sent_at = self.load(), now
-        self.send.send(ipc.encode(ipc.Outputs(outputs=outputs, load=load, ack_id=ack_id)))
+        self.channel.send(ipc.encode(ipc.Outputs(outputs=outputs, load=load, ack_id=ack_id)))
         if ack_id:
             self._wait_delivered(ack_id)
 
@@ -109,12 +114,11 @@ class SchedulerLoop:
         deadline = time.monotonic() + self.first_token_wait_s
         while not self.stopping:
             remaining_ms = (deadline - time.monotonic()) * 1e3
-            if remaining_ms <= 0 or not self.recv.poll(remaining_ms):
+            if remaining_ms <= 0 or not self.channel.poll(remaining_ms):
                 self.first_token_waits["timed_out"] += 1
                 return
-            try:
-                data = self.recv.recv(ipc.NOBLOCK)
-            except zmq.Again:
+            data = self.channel.recv()
+            if data is None:
                 continue
             msg = self._decode(data)
             if isinstance(msg, ipc.Delivered) and msg.ack_id == ack_id:
@@ -125,13 +129,11 @@ class SchedulerLoop:
 
     def _receive(self, block: bool) -> None:
         """Handle every message already queued; while idle, first wait for one."""
-        if block and not self.recv.poll(PARENT_CHECK_INTERVAL_MS):
+        if block and not self.channel.poll(PARENT_CHECK_INTERVAL_MS):
             return
-        # Asking first: a receive from an empty socket raises, and this runs between every two steps.
-        while not self.stopping and self.recv.getsockopt(ipc.EVENTS) & ipc.POLLIN:
-            try:
-                data = self.recv.recv(ipc.NOBLOCK)
-            except zmq.Again:
+        while not self.stopping:
+            data = self.channel.recv()
+            if data is None:
                 return
             self._handle(data)
 
@@ -206,7 +208,7 @@ class SchedulerLoop:
         for rid in added:  # all or nothing: withdraw the siblings admitted before the failure
             self.scheduler.abort(rid)
         rids = [g.rid for g in batch.reqs]
-        self.send.send(ipc.encode(ipc.Rejected(rids=rids, message=message, status=status)))
+        self.channel.send(ipc.encode(ipc.Rejected(rids=rids, message=message, status=status)))
 
     def _run_deferred(self) -> None:
         """Run the exclusive calls that waited, once the model is free."""
@@ -226,7 +228,7 @@ class SchedulerLoop:
             ok, data = False, {"error": f"{type(exc).__name__}: {exc}"}
         if msg.kind == "flush_cache" and ok:
             ok = bool(data["flushed"])
-        self.send.send(ipc.encode(ipc.ControlReply(call_id=msg.call_id, ok=ok, data=data)))
+        self.channel.send(ipc.encode(ipc.ControlReply(call_id=msg.call_id, ok=ok, data=data)))
 
     def _control_data(self, kind: str, args: dict[str, Any]) -> dict[str, Any]:
         from framework.server.rollout_calls import dispatch
@@ -337,21 +339,21 @@ def _build(config_path: str) -> tuple[Any, Any, list[int], dict[str, Any]]:
     return scheduler, runner, eos, info
 
 
-def _serve(config_path: str, recv: zmq.Socket, send: zmq.Socket, parent_pid: int, dp_rank: int) -> int:
+def _serve(config_path: str, channel: SocketChannel, parent_pid: int, dp_rank: int) -> int:
     """Build, announce readiness (or the start failure), and run the loop; the exit code."""
     try:
         scheduler, runner, eos, info = _build(config_path)
     except Exception as exc:
         logger.error("scheduler start failed:\n%s", traceback.format_exc())
-        send.send(ipc.encode(ipc.StartupFailed(message=f"{type(exc).__name__}: {exc}")))
+        channel.send(ipc.encode(ipc.StartupFailed(message=f"{type(exc).__name__}: {exc}")))
         return 1
     from framework.memory.gc_freeze import freeze_startup_objects
 
     info["gc_frozen_objects"] = freeze_startup_objects("scheduler")
-    send.send(ipc.encode(ipc.Ready(info={**info, "dp_rank": dp_rank})))
+    channel.send(ipc.encode(ipc.Ready(info={**info, "dp_rank": dp_rank})))
     try:
         wait_s = scheduler.settings.server.first_token_wait_ms / 1e3
-        SchedulerLoop(scheduler, runner, eos, recv, send, parent_pid, dp_rank, first_token_wait_s=wait_s).run()
+        SchedulerLoop(scheduler, runner, eos, channel, parent_pid, dp_rank, first_token_wait_s=wait_s).run()
     finally:
         followers = getattr(scheduler, "followers", None)
         if followers is not None:  # tell the other tensor-parallel ranks to stop, and wait for them
@@ -364,10 +366,11 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def main(config_path: str, to_scheduler: str, from_scheduler: str, parent_pid: int, log_level: str,
-         dp_rank: int = 0) -> None:
+def main(config_path: str, channel_path: str, parent_pid: int, log_level: str, dp_rank: int = 0) -> None:
     """Entry point of the spawned process (arguments are plain strings and ints: nothing is
-    unpickled beyond them). ``dp_rank``: which data-parallel replica this is (0 without dp)."""
+    unpickled beyond them). ``channel_path``: the HTTP process's listening socket for this
+    scheduler (``framework.server.channel``); ``dp_rank``: which data-parallel replica this is
+    (0 without dp)."""
     # Ctrl-C in a terminal reaches the whole process group: the HTTP process decides when the
     # scheduler stops (it sends Shutdown), so the scheduler ignores SIGINT itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -384,24 +387,20 @@ def main(config_path: str, to_scheduler: str, from_scheduler: str, parent_pid: i
         level=log_level.upper(), stream=sys.stderr,
         format=f"%(asctime)s [scheduler{f' dp{dp_rank}' if dp_rank else ''}] %(levelname)s %(name)s: %(message)s",
     )
-    ctx = zmq.Context()
-    recv = ctx.socket(zmq.PULL)
-    recv.connect(to_scheduler)
-    send = ctx.socket(zmq.PUSH)
-    send.setsockopt(zmq.LINGER, 2000)  # let the last replies leave before the process exits
-    send.connect(from_scheduler)
+    # What was sent before the close below is still delivered: the kernel holds it for the peer.
+    channel = SocketChannel.connect(channel_path)
     code = 0
     try:
-        code = _serve(config_path, recv, send, parent_pid, dp_rank)
+        code = _serve(config_path, channel, parent_pid, dp_rank)
     except SystemExit:
         pass
+    except ChannelClosed as exc:
+        logger.warning("the HTTP process is gone (%s); the scheduler exits", exc)
     except BaseException:
         logger.critical("the scheduler loop died:\n%s", traceback.format_exc())
         code = 1
     finally:
-        recv.close(linger=0)
-        send.close()
-        ctx.term()
+        channel.close()
     # Everything is closed and flushed below; skipping the interpreter's teardown (seconds with
     # torch loaded on a busy machine) lets the HTTP process finish its shutdown sooner.
     logging.shutdown()

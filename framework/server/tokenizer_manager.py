@@ -1,12 +1,13 @@
 """The HTTP process's side of the scheduler: send requests, route output deltas, detokenize.
 
-Everything here runs on the asyncio event loop and never waits on the model: requests go out on a
-zmq PUSH socket, and one receive task reads the scheduler's messages and turns each output delta
+Everything here runs on the asyncio event loop and never waits on the model: requests go out on
+the scheduler's channel (``framework.server.channel``), and the channel hands each message the
+scheduler sends to :meth:`TokenizerManager._on_message` from the event loop, which turns each output delta
 into text with a :class:`~framework.engine.request_state.RequestState` (the same class the
 in-process Engine uses, so both produce identical text). The deltas of all the scheduler requests
 that make up one HTTP request (a batch, ``n`` choices) arrive on one :class:`RequestGroup` queue.
 
-With data parallelism (``parallel.dp_size`` > 1) there is one socket pair and one receive task per
+With data parallelism (``parallel.dp_size`` > 1) there is one channel per
 replica (``framework.server.data_parallel``); each group lives on the replica the load balancer
 picked for it, and its aborts go there.
 """
@@ -19,12 +20,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from framework.engine.request_state import RequestState
 from framework.server import ipc
-from framework.server.data_parallel import LoadBalancer, Replica, bind_replicas, combined_load
+from framework.server.channel import ChannelClosed
+from framework.server.data_parallel import LoadBalancer, Replica, combined_load
 from framework.server.errors import APIError
 from framework.server.metrics import ServerMetrics
 from framework.server.request_group import Event, RequestGroup, SubRequest
@@ -45,16 +44,16 @@ class TokenizerManager:
     """Sends requests to the scheduler processes (one per data-parallel replica) and routes their
     outputs back to request groups.
 
-    ``endpoints`` holds one ``(to_scheduler, from_scheduler)`` address pair per replica, in
-    ``dp_rank`` order; ``balance`` is ``parallel.load_balance_method``.
+    ``replicas`` holds one :class:`Replica` per scheduler process, in ``dp_rank`` order, its
+    channel listening (``data_parallel.listen_replicas``, before the scheduler was spawned);
+    :meth:`wait_ready` takes their connections. ``balance`` is ``parallel.load_balance_method``.
     """
 
-    def __init__(self, tokenizer: Any, metrics: ServerMetrics, endpoints: Sequence[tuple[str, str]],
+    def __init__(self, tokenizer: Any, metrics: ServerMetrics, replicas: Sequence[Replica],
                  balance: str = "round_robin") -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.ctx = zmq.asyncio.Context()
-        self.replicas: list[Replica] = bind_replicas(self.ctx, endpoints)
+        self.replicas: list[Replica] = list(replicas)
         self.balancer = LoadBalancer(balance, self.replicas)
         self.info: dict[str, Any] = {}
         """Replica 0's Ready info (each replica's is on ``replicas[i].info``)."""
@@ -64,8 +63,6 @@ class TokenizerManager:
         self._groups: dict[str, RequestGroup] = {}
         self._calls: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
         self._call_ids = itertools.count()
-        self._readers: list[int] = []
-        """File descriptors of the PULL sockets registered with the event loop by :meth:`start`."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -75,15 +72,20 @@ class TokenizerManager:
         waits = [asyncio.ensure_future(self._wait_replica_ready(r)) for r in self.replicas]
         try:
             await asyncio.gather(*waits)
-        finally:  # one replica failed (or the launcher gave up): stop reading the others' sockets
+        finally:  # one replica failed (or the launcher gave up): stop waiting for the others
             for wait in waits:
                 wait.cancel()
         self.info = self.replicas[0].info
         return self.info
 
     async def _wait_replica_ready(self, replica: Replica) -> None:
+        await replica.channel.accept()
         while True:
-            msg = ipc.decode_from_scheduler(await replica.pull.recv())
+            try:
+                data = await replica.channel.receive()
+            except ChannelClosed as exc:
+                raise SchedulerStartError(f"dp rank {replica.dp_rank}: {exc}") from exc
+            msg = ipc.decode_from_scheduler(data)
             if isinstance(msg, ipc.Ready):
                 replica.info = msg.info
                 return
@@ -92,37 +94,23 @@ class TokenizerManager:
                 raise SchedulerStartError(where + msg.message)
 
     def start(self) -> None:
-        """Deliver the scheduler's messages from now on: each PULL socket's file descriptor is
-        watched by the event loop, and its callback reads and dispatches every queued message.
-
-        Why not ``await pull.recv()`` in a task: that costs a future, an extra pass of the event
-        loop and pyzmq's poller bookkeeping per message, and a message arrives per step and
-        stream. On 2 cores every microsecond here is taken from the model's threads.
-        """
-        loop = asyncio.get_running_loop()
+        """Deliver the scheduler's messages from now on: each channel calls :meth:`_on_message`
+        from the event loop for every message it reads (no task, future or queue per message: one
+        arrives per step and stream, and on 2 cores every microsecond here is taken from the
+        model's threads)."""
         for replica in self.replicas:
-            reader = zmq.Socket.shadow(replica.pull.underlying)  # same socket, blocking-style API
-            fd = reader.FD
-            loop.add_reader(fd, self._drain, replica, reader)
-            self._readers.append(fd)
-            # ZMQ's descriptor signals new activity only: read what came before the watch began.
-            loop.call_soon(self._drain, replica, reader)
+            replica.channel.deliver_to(lambda data, replica=replica: self._on_message(data, replica))
 
     async def close(self) -> None:
-        loop = asyncio.get_running_loop()
-        for fd in self._readers:
-            loop.remove_reader(fd)
-        self._readers.clear()
         for replica in self.replicas:
-            replica.push.close(linger=0)
-            replica.pull.close(linger=0)
-        self.ctx.term()
+            replica.channel.close()
 
     async def shutdown_scheduler(self) -> None:
         """Ask every scheduler loop to exit (the launcher escalates if one does not)."""
         if self.dead is None:
             for replica in self.replicas:
-                await replica.push.send(ipc.encode(ipc.Shutdown()))
+                if replica.channel.connected:
+                    replica.channel.send(ipc.encode(ipc.Shutdown()))
 
     def on_scheduler_death(self, reason: str) -> None:
         """Fail everything in flight at once; /health answers 503 from now on."""
@@ -166,7 +154,10 @@ class TokenizerManager:
     async def _send_aborts(self, rids_by_rank: dict[int, list[str]]) -> None:
         for rank, rids in rids_by_rank.items():
             if rids:
-                await self.replicas[rank].push.send(ipc.encode(ipc.Abort(rids=rids)))
+                try:
+                    self.replicas[rank].channel.send(ipc.encode(ipc.Abort(rids=rids)))
+                except ChannelClosed:  # the scheduler is gone, and its requests with it
+                    logger.debug("dp rank %s is gone; %d aborts not sent", rank, len(rids))
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -192,7 +183,10 @@ class TokenizerManager:
             self._routes[s.rid] = (group, i)
         replica.in_flight += len(subs)
         try:
-            await replica.push.send(message)
+            replica.channel.send(message)
+        except ChannelClosed as exc:
+            self._forget(group)
+            raise APIError(503, f"the scheduler process is not running ({exc})", code="scheduler_dead") from exc
         except BaseException:
             self._forget(group)
             raise
@@ -238,7 +232,11 @@ class TokenizerManager:
         fut: asyncio.Future[tuple[bool, dict[str, Any]]] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         control = ipc.Control(call_id=call_id, kind=kind, args=args or {})
-        await self.replicas[dp_rank].push.send(ipc.encode(control))
+        try:
+            self.replicas[dp_rank].channel.send(ipc.encode(control))
+        except ChannelClosed as exc:
+            self._calls.pop(call_id, None)
+            raise APIError(503, f"the scheduler process is not running ({exc})", code="scheduler_dead") from exc
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -292,21 +290,11 @@ class TokenizerManager:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def _drain(self, replica: Replica, reader: zmq.Socket) -> None:
-        """Dispatch every message waiting on ``replica``'s PULL socket (until it would block: the
-        descriptor does not signal again for messages already queued)."""
-        while True:
-            try:
-                # Asking first spares the exception a receive from an empty socket raises.
-                if not reader.getsockopt(ipc.EVENTS) & ipc.POLLIN:
-                    return
-                data = reader.recv(ipc.NOBLOCK)
-            except zmq.ZMQError:  # closed under us at shutdown (or emptied: zmq.Again)
-                return
-            try:
-                self._dispatch(ipc.decode_from_scheduler(data), replica)
-            except Exception:  # one bad message must not stop the delivery of all others
-                logger.exception("failed to handle a message from the scheduler (dp rank %s)", replica.dp_rank)
+    def _on_message(self, data: memoryview, replica: Replica) -> None:
+        try:
+            self._dispatch(ipc.decode_from_scheduler(data), replica)
+        except Exception:  # one bad message must not stop the delivery of all others
+            logger.exception("failed to handle a message from the scheduler (dp rank %s)", replica.dp_rank)
 
     def _dispatch(self, msg: ipc.FromScheduler, replica: Replica) -> None:
         if isinstance(msg, ipc.Outputs):
@@ -344,16 +332,13 @@ class TokenizerManager:
             group.when_drained(one_done)
 
     def _send_soon(self, replica: Replica, msg: ipc.ToScheduler) -> None:
-        """Send without awaiting (from a callback); a failure is logged, not left unobserved."""
+        """Send from a callback; a failure is logged (the scheduler's death is handled elsewhere)."""
         if self.dead is not None:
             return
-
-        def check(fut: asyncio.Future[Any]) -> None:
-            if not fut.cancelled() and fut.exception() is not None:
-                logger.warning("could not send %s to dp rank %s: %s", type(msg).__name__, replica.dp_rank,
-                               fut.exception())
-
-        replica.push.send(ipc.encode(msg)).add_done_callback(check)
+        try:
+            replica.channel.send(ipc.encode(msg))
+        except ChannelClosed as exc:
+            logger.warning("could not send %s to dp rank %s: %s", type(msg).__name__, replica.dp_rank, exc)
 
     def _on_output(self, out: Any, dp_rank: int) -> RequestGroup | None:
         """Apply one output delta to its request; the group if this was the request's first token."""

@@ -1,49 +1,31 @@
 """The scheduler's bounded wait for a first token to be written (``server.first_token_wait_ms``).
 
-Both halves without a model: the scheduler loop with a fake scheduler and a socket fed by the
-test, and the HTTP process's tokenizer manager on real ZMQ sockets, with the test playing the
-scheduler. The served path runs it in ``test_ops`` (every streamed request on the test server).
+Both halves without a model: the scheduler loop with a fake scheduler and a channel fed by the
+test, and the HTTP process's tokenizer manager on a real channel (``framework.server.channel``),
+with the test playing the scheduler's end. The served path runs it in ``test_ops`` (every streamed request on the test server).
 """
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+import tempfile
 from typing import Any
 
 import pytest
-import zmq
 
 from framework.sampling.params import SamplingParams
 from framework.scheduler.outputs import RequestOutput
 from framework.server import ipc
+from framework.server.channel import SocketChannel
+from framework.server.data_parallel import listen_replicas
 from framework.server.metrics import ServerMetrics
 from framework.server.request_group import SubRequest
 from framework.server.scheduler_process import LOAD_REPORT_INTERVAL_S, SchedulerLoop
 from framework.server.tokenizer_manager import TokenizerManager
 from framework.testing.tiny_models import build_tokenizer
-from tests.server.test_units import FakeSocket
+from tests.server.test_units import FakeChannel
 
 # -- the scheduler's side ------------------------------------------------------------------------
-
-
-class FedSocket:
-    """A PULL socket whose messages the test queued beforehand (nothing arrives later)."""
-
-    def __init__(self, *messages: Any) -> None:
-        self.queue = [ipc.encode(m) for m in messages]
-
-    def poll(self, timeout_ms: float) -> bool:
-        return bool(self.queue)
-
-    def getsockopt(self, option: int) -> int:
-        assert option == zmq.EVENTS
-        return zmq.POLLIN if self.queue else 0
-
-    def recv(self, flags: int = 0) -> bytes:
-        if not self.queue:
-            raise zmq.Again()
-        return self.queue.pop(0)
 
 
 class OneStepScheduler:
@@ -85,10 +67,10 @@ def later(rid: str = "a") -> RequestOutput:
     return RequestOutput(rid=rid, new_token_ids=[7], prompt_tokens=3, completion_tokens=2, cached_tokens=0)
 
 
-def make_loop(sched: OneStepScheduler, recv: FedSocket, wait_s: float = 5.0) -> tuple[SchedulerLoop, FakeSocket]:
-    send = FakeSocket()
-    loop = SchedulerLoop(sched, None, [0], recv, send, parent_pid=0, first_token_wait_s=wait_s)  # type: ignore[arg-type]
-    return loop, send
+def make_loop(sched: OneStepScheduler, channel: FakeChannel, wait_s: float = 5.0) -> tuple[SchedulerLoop, FakeChannel]:
+    """The loop and its channel (both what the test fed it and what it sent)."""
+    loop = SchedulerLoop(sched, None, [0], channel, parent_pid=0, first_token_wait_s=wait_s)  # type: ignore[arg-type]
+    return loop, channel
 
 
 def batch(rid: str) -> ipc.GenerateBatch:
@@ -96,7 +78,7 @@ def batch(rid: str) -> ipc.GenerateBatch:
 
 
 def test_a_first_token_makes_the_loop_wait_for_its_delivery_and_handle_what_comes_meanwhile() -> None:
-    recv = FedSocket(batch("x"), ipc.Delivered(ack_id=99), ipc.Delivered(ack_id=1), ipc.Abort(rids=["y"]))
+    recv = FakeChannel(batch("x"), ipc.Delivered(ack_id=99), ipc.Delivered(ack_id=1), ipc.Abort(rids=["y"]))
     sched = OneStepScheduler([later("b"), first("a")])
     loop, send = make_loop(sched, recv)
     loop._send_outputs(loop._step())
@@ -114,7 +96,7 @@ def test_a_first_token_makes_the_loop_wait_for_its_delivery_and_handle_what_come
     ([first()], True, 0.0),  # server.first_token_wait_ms=0
 ])
 def test_no_wait_without_a_first_token_a_next_step_or_a_bound(outputs, more, wait_s) -> None:
-    recv = FedSocket(ipc.Delivered(ack_id=1))
+    recv = FakeChannel(ipc.Delivered(ack_id=1))
     loop, send = make_loop(OneStepScheduler(outputs, more), recv, wait_s)
     loop._send_outputs(loop._step())
     assert send.sent[0].ack_id == 0
@@ -122,7 +104,7 @@ def test_no_wait_without_a_first_token_a_next_step_or_a_bound(outputs, more, wai
 
 
 def test_the_wait_is_bounded() -> None:
-    loop, send = make_loop(OneStepScheduler([first()]), FedSocket(), wait_s=0.05)
+    loop, send = make_loop(OneStepScheduler([first()]), FakeChannel(), wait_s=0.05)
     loop._send_outputs(loop._step())
     assert send.sent[0].ack_id == 1
     assert loop.first_token_waits == {"delivered": 0, "timed_out": 1, "late": 0}
@@ -132,7 +114,7 @@ def test_the_wait_is_bounded() -> None:
 
 def test_the_load_rides_along_at_intervals_and_before_the_scheduler_goes_idle() -> None:
     sched = OneStepScheduler([later()])
-    loop, send = make_loop(sched, FedSocket())
+    loop, send = make_loop(sched, FakeChannel())
     loop._send_outputs(loop._step())
     loop._send_outputs(loop._step())
     assert send.sent[0].load == {"num_running": 1, "cache_hit_tokens": 0, "prompt_tokens_seen": 0,
@@ -155,46 +137,43 @@ def tokenizer():
 
 
 class FakeSchedulerEnd:
-    """The scheduler process's two sockets, driven by the test."""
+    """The scheduler process's end of the channel, driven by the test."""
 
-    def __init__(self, ctx: zmq.Context, to_addr: str, from_addr: str) -> None:
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.connect(to_addr)
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.connect(from_addr)
+    def __init__(self, path: str) -> None:
+        self.channel = SocketChannel.connect(path)
 
     def send(self, msg: Any) -> None:
-        self.push.send(ipc.encode(msg))
+        self.channel.send(ipc.encode(msg))
 
     async def next_message(self, timeout_s: float = 10.0) -> Any:
         """The next message from the manager (the event loop runs meanwhile)."""
-        await until(lambda: self.pull.poll(0), timeout_s)
-        return ipc.decode_to_scheduler(self.pull.recv())
+        await until(lambda: self.channel.poll(0), timeout_s)
+        return ipc.decode_to_scheduler(self.channel.recv())
 
     async def nothing_sent(self) -> bool:
         """Let the event loop run a while; whether the manager sent nothing in it."""
         await asyncio.sleep(0.1)
-        return not self.pull.poll(0)
+        return not self.channel.poll(0)
 
     def close(self) -> None:
-        self.pull.close(linger=0)
-        self.push.close(linger=0)
+        self.channel.close()
 
 
-def run_manager(tmp_path: Path, tokenizer: Any, scenario: Any) -> None:
-    endpoints = [(f"ipc://{tmp_path}/to", f"ipc://{tmp_path}/from")]
-
+def run_manager(tokenizer: Any, scenario: Any) -> None:
     async def main() -> None:
-        manager = TokenizerManager(tokenizer, ServerMetrics(), endpoints)
-        ctx = zmq.Context()
-        end = FakeSchedulerEnd(ctx, *endpoints[0])
-        manager.start()
-        try:
-            await scenario(manager, end)
-        finally:
-            await manager.close()
-            end.close()
-            ctx.term()
+        # A short directory: a Unix socket's path is limited to ~107 bytes, and pytest's
+        # tmp_path with a long test name can pass that.
+        with tempfile.TemporaryDirectory(prefix="ps-") as run_dir:
+            path = f"{run_dir}/scheduler_0"
+            manager = TokenizerManager(tokenizer, ServerMetrics(), listen_replicas([path]))
+            end = FakeSchedulerEnd(path)
+            await manager.replicas[0].channel.accept()  # what wait_ready does first
+            manager.start()
+            try:
+                await scenario(manager, end)
+            finally:
+                await manager.close()
+                end.close()
 
     asyncio.run(main())
 
@@ -215,7 +194,7 @@ async def until(predicate: Any, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def test_delivered_goes_out_once_the_response_asks_for_the_next_event(tmp_path, tokenizer) -> None:
+def test_delivered_goes_out_once_the_response_asks_for_the_next_event(tokenizer) -> None:
     async def scenario(manager: TokenizerManager, end: FakeSchedulerEnd) -> None:
         group = await submit(manager, end, "a")
         end.send(ipc.Outputs(outputs=[first("a")], ack_id=3))
@@ -227,10 +206,10 @@ def test_delivered_goes_out_once_the_response_asks_for_the_next_event(tmp_path, 
         end.send(ipc.Outputs(outputs=[later("a")]))
         await asyncio.wait_for(nxt, 10)
 
-    run_manager(tmp_path, tokenizer, scenario)
+    run_manager(tokenizer, scenario)
 
 
-def test_delivered_goes_out_when_the_request_is_gone_or_was_not_waited_for(tmp_path, tokenizer) -> None:
+def test_delivered_goes_out_when_the_request_is_gone_or_was_not_waited_for(tokenizer) -> None:
     async def scenario(manager: TokenizerManager, end: FakeSchedulerEnd) -> None:
         group = await submit(manager, end, "a")
         end.send(ipc.Outputs(outputs=[first("a")], ack_id=4))
@@ -242,10 +221,10 @@ def test_delivered_goes_out_when_the_request_is_gone_or_was_not_waited_for(tmp_p
         end.send(ipc.Outputs(outputs=[later("a"), first("unknown")], ack_id=5))  # no first token of ours
         assert await end.next_message() == ipc.Delivered(ack_id=5)
 
-    run_manager(tmp_path, tokenizer, scenario)
+    run_manager(tokenizer, scenario)
 
 
-def test_one_delivered_for_several_first_tokens(tmp_path, tokenizer) -> None:
+def test_one_delivered_for_several_first_tokens(tokenizer) -> None:
     async def scenario(manager: TokenizerManager, end: FakeSchedulerEnd) -> None:
         a, b = await submit(manager, end, "a"), await submit(manager, end, "b")
         end.send(ipc.Outputs(outputs=[first("a"), first("b")], ack_id=6))
@@ -258,4 +237,4 @@ def test_one_delivered_for_several_first_tokens(tmp_path, tokenizer) -> None:
         waiting_a.cancel()
         waiting_b.cancel()
 
-    run_manager(tmp_path, tokenizer, scenario)
+    run_manager(tokenizer, scenario)

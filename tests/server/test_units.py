@@ -80,12 +80,22 @@ def test_validation_errors_name_the_field() -> None:
 # -- the scheduler loop, with a fake scheduler -----------------------------------------------------
 
 
-class FakeSocket:
-    def __init__(self) -> None:
+class FakeChannel:
+    """The scheduler's end of its channel, driven by the test: ``queue`` holds the messages that
+    have "arrived" (queued beforehand: nothing arrives later), ``sent`` what the loop sent."""
+
+    def __init__(self, *incoming: Any) -> None:
+        self.queue = [ipc.encode(m) for m in incoming]
         self.sent: list[Any] = []
 
     def send(self, data: bytes) -> None:
         self.sent.append(ipc.decode_from_scheduler(data))
+
+    def poll(self, timeout_ms: float) -> bool:
+        return bool(self.queue)
+
+    def recv(self) -> bytes | None:
+        return self.queue.pop(0) if self.queue else None
 
 
 class FakeReq:
@@ -133,9 +143,9 @@ def _batch(*rids: str, ids: list[int] | None = None) -> bytes:
     return ipc.encode(ipc.GenerateBatch(reqs=reqs))
 
 
-def make_loop(scheduler: FakeScheduler) -> tuple[SchedulerLoop, FakeSocket]:
-    send = FakeSocket()
-    return SchedulerLoop(scheduler, None, [0], None, send, parent_pid=0), send  # type: ignore[arg-type]
+def make_loop(scheduler: FakeScheduler) -> tuple[SchedulerLoop, FakeChannel]:
+    channel = FakeChannel()
+    return SchedulerLoop(scheduler, None, [0], channel, parent_pid=0), channel  # type: ignore[arg-type]
 
 
 def test_loop_rejects_a_batch_all_or_nothing() -> None:
