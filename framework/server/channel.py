@@ -175,8 +175,10 @@ class SocketChannel:
                 return False
 
     def recv(self) -> memoryview | None:
-        """The next message, or None if none has arrived (never blocks)."""
-        if not self._frames and self._poller.poll(0):
+        """The next message, or None if none has arrived whole (never blocks). Reads as long as
+        the socket has bytes, so that a large message (a weight update) is taken in one call
+        between two steps rather than one read per step."""
+        while not self._frames and self._poller.poll(0):
             self._read()
         return self._frames.popleft() if self._frames else None
 

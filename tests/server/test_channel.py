@@ -192,3 +192,32 @@ def test_receive_reports_a_peer_that_closed_before_saying_anything(run_dir: str)
             channel.close()
 
     asyncio.run(main())
+
+
+def test_a_large_message_already_in_the_socket_is_taken_in_one_recv(run_dir: str) -> None:
+    """Between two steps the scheduler calls recv() once: a weight update of megabytes must not
+    take one step per 256 kB read."""
+    path = os.path.join(run_dir, "scheduler_0")
+    payload = random.Random(2).randbytes(3_000_000)
+
+    async def main() -> None:
+        channel = AsyncChannel(listen(path))
+        end = SocketChannel.connect(path)
+        try:
+            await channel.accept()
+            channel.send(payload)
+            transport = channel._transport
+            assert transport is not None
+            for _ in range(100):  # until the kernel holds all of it
+                if transport.get_write_buffer_size() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.skip("this kernel's socket buffers are smaller than the message (net.core.wmem_max)")
+            data = end.recv()
+            assert data is not None and bytes(data) == payload
+        finally:
+            end.close()
+            channel.close()
+
+    asyncio.run(main())
