@@ -221,3 +221,43 @@ def test_a_large_message_already_in_the_socket_is_taken_in_one_recv(run_dir: str
             channel.close()
 
     asyncio.run(main())
+
+
+def test_the_manager_answers_503_once_the_scheduler_channel_is_gone(run_dir: str) -> None:
+    """A request, a control call and an abort towards a scheduler whose channel closed (it died;
+    the launcher's process watch has not told the manager yet)."""
+    from framework.sampling.params import SamplingParams
+    from framework.server.data_parallel import listen_replicas
+    from framework.server.errors import APIError
+    from framework.server.metrics import ServerMetrics
+    from framework.server.request_group import SubRequest
+    from framework.server.tokenizer_manager import TokenizerManager
+    from framework.testing.tiny_models import build_tokenizer
+
+    path = os.path.join(run_dir, "scheduler_0")
+
+    async def main() -> None:
+        manager = TokenizerManager(build_tokenizer(), ServerMetrics(), listen_replicas([path]))
+        end = SocketChannel.connect(path)
+        try:
+            await manager.replicas[0].channel.accept()
+            manager.start()
+            end.close()
+            for _ in range(200):
+                if not manager.replicas[0].channel.connected:
+                    break
+                await asyncio.sleep(0.01)
+            sub = SubRequest(rid="r1", input_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=4))
+            with pytest.raises(APIError) as err:
+                await manager.submit("r1", [sub])
+            assert err.value.status == 503 and "not running" in str(err.value)
+            assert not manager._groups and not manager._routes  # nothing left behind
+            assert manager.replicas[0].in_flight == 0
+            with pytest.raises(APIError) as err:
+                await manager.control("get_load", timeout=5)
+            assert err.value.status == 503 and not manager._calls
+            await manager._send_aborts({0: ["r0"]})  # dropped quietly: the scheduler took its requests with it
+        finally:
+            await manager.close()
+
+    asyncio.run(main())
