@@ -5,11 +5,12 @@ does when the other one is gone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import random
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -33,6 +34,20 @@ def run_dir() -> Iterator[str]:
     # Short: a Unix socket's path is limited to 107 bytes, which pytest's tmp_path can pass.
     with tempfile.TemporaryDirectory(prefix="ps-ch-") as d:
         yield d
+
+
+@contextlib.asynccontextmanager
+async def connected(run_dir: str) -> AsyncIterator[tuple[AsyncChannel, SocketChannel]]:
+    """Both ends of one channel in this process: the HTTP process's and the scheduler's."""
+    path = os.path.join(run_dir, "scheduler_0")
+    channel = AsyncChannel(listen(path))
+    end = SocketChannel.connect(path)
+    try:
+        await channel.accept()
+        yield channel, end
+    finally:
+        end.close()
+        channel.close()
 
 
 def test_frames_come_back_whole_however_the_stream_is_cut() -> None:
@@ -155,13 +170,8 @@ def test_the_scheduler_end_sees_the_http_end_go(run_dir: str) -> None:
 
 
 def test_poll_times_out_and_recv_never_blocks(run_dir: str) -> None:
-    path = os.path.join(run_dir, "scheduler_0")
-
     async def main() -> None:
-        channel = AsyncChannel(listen(path))
-        end = SocketChannel.connect(path)
-        try:
-            await channel.accept()
+        async with connected(run_dir) as (channel, end):
             assert end.recv() is None
             assert not end.poll(0)
             assert not end.poll(20)
@@ -171,9 +181,6 @@ def test_poll_times_out_and_recv_never_blocks(run_dir: str) -> None:
             assert end.poll(0)
             assert [bytes(end.recv() or b""), bytes(end.recv() or b"")] == [b"a", b"b"]
             assert end.recv() is None
-        finally:
-            end.close()
-            channel.close()
 
     asyncio.run(main())
 
@@ -197,14 +204,10 @@ def test_receive_reports_a_peer_that_closed_before_saying_anything(run_dir: str)
 def test_a_large_message_already_in_the_socket_is_taken_in_one_recv(run_dir: str) -> None:
     """Between two steps the scheduler calls recv() once: a weight update of megabytes must not
     take one step per 256 kB read."""
-    path = os.path.join(run_dir, "scheduler_0")
     payload = random.Random(2).randbytes(3_000_000)
 
     async def main() -> None:
-        channel = AsyncChannel(listen(path))
-        end = SocketChannel.connect(path)
-        try:
-            await channel.accept()
+        async with connected(run_dir) as (channel, end):
             channel.send(payload)
             transport = channel._transport
             assert transport is not None
@@ -216,9 +219,6 @@ def test_a_large_message_already_in_the_socket_is_taken_in_one_recv(run_dir: str
                 pytest.skip("this kernel's socket buffers are smaller than the message (net.core.wmem_max)")
             data = end.recv()
             assert data is not None and bytes(data) == payload
-        finally:
-            end.close()
-            channel.close()
 
     asyncio.run(main())
 
