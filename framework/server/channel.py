@@ -46,7 +46,7 @@ MAX_PATH = 107
 """The longest Unix socket path Linux takes (``sun_path`` is 108 bytes with its terminating NUL)."""
 
 _SMALL = 1 << 16
-"""Below this a body is copied behind its header and sent in one call; above, sent in two."""
+"""Below this :func:`frame` copies a body behind its header; above, it is written after it."""
 
 
 class ChannelClosed(ConnectionError):
@@ -58,6 +58,12 @@ def header(size: int) -> bytes:
     if size > MAX_FRAME:
         raise ValueError(f"a message of {size} bytes is over the channel's limit of {MAX_FRAME}")
     return HEADER.pack(size)
+
+
+def frame(data: bytes) -> list[bytes]:
+    """``data`` as the pieces of one frame to write in order: a small body copied behind its
+    header (one write), a large one after it uncopied (two)."""
+    return [header(len(data)) + data] if len(data) < _SMALL else [header(len(data)), data]
 
 
 class FrameReader:
@@ -149,11 +155,8 @@ class SocketChannel:
     def send(self, data: bytes) -> None:
         """Send one message (blocks only while the kernel's buffer towards the peer is full)."""
         try:
-            if len(data) < _SMALL:
-                self.sock.sendall(header(len(data)) + data)
-            else:
-                self.sock.sendall(header(len(data)))
-                self.sock.sendall(data)
+            for piece in frame(data):
+                self.sock.sendall(piece)
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise ChannelClosed(f"the peer closed the channel: {exc}") from exc
 
@@ -271,10 +274,7 @@ class AsyncChannel(asyncio.Protocol):
         """Queue one message for the peer (ChannelClosed if it is gone or never connected)."""
         if self._transport is None or self.lost is not None or self._transport.is_closing():
             raise self.lost or ChannelClosed("the scheduler's channel is not connected")
-        if len(data) < _SMALL:
-            self._transport.write(header(len(data)) + data)
-        else:
-            self._transport.writelines([header(len(data)), data])
+        self._transport.writelines(frame(data))
 
     def close(self) -> None:
         self._close_listener()

@@ -20,13 +20,14 @@ from framework.server.channel import (
     ChannelClosed,
     FrameReader,
     SocketChannel,
+    frame,
     header,
     listen,
 )
 
 
 def framed(*bodies: bytes) -> bytes:
-    return b"".join(header(len(b)) + b for b in bodies)
+    return b"".join(piece for b in bodies for piece in frame(b))
 
 
 @pytest.fixture
